@@ -1,0 +1,65 @@
+"""The per-block solver contract shared by every weight-only algorithm.
+
+A native algorithm plugin (rtn, hqq, kquant, or a third party's) supplies one function:
+float blocks in, integers + scales + zero points out. The host does everything else
+(finding weights, transposing, padding K, packing, writing ONNX ops, tied weights).
+
+Convention (the one ONNX Runtime's ``MatMulNBits`` uses): ``w ~= (q - zero_point) * scale``
+with ``q`` an unsigned integer in ``[0, 2**bits)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """What the solver is asked to produce for one tensor."""
+
+    bits: int  # 2..8; the ONNX writers accept 4 and 8
+    block_size: int  # elements per block along the reduction axis (K)
+    symmetric: bool  # True: no zero points stored, the implied one is 2**(bits-1)
+    float_zero_points: bool = False  # allow a float offset (zero_points of the scale's type)
+
+
+@dataclass
+class QuantizedBlocks:
+    """A solver's answer for ``rows x n_blocks`` blocks.
+
+    q: uint8 ``[rows, n_blocks, block_size]``, every value in ``[0, 2**bits)``.
+    scales: float32 ``[rows, n_blocks]``.
+    zero_points: ``None`` when symmetric (implied ``2**(bits-1)``); uint8 ``[rows, n_blocks]``
+        for integer zero points; float32 ``[rows, n_blocks]`` for float offsets.
+    """
+
+    q: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+
+    def implied_zero_points(self, bits: int) -> np.ndarray:
+        if self.zero_points is None:
+            return np.full(self.scales.shape, 2 ** (bits - 1), dtype=np.float32)
+        return self.zero_points.astype(np.float32)
+
+
+class BlockSolver(Protocol):
+    """Quantize ``w`` (float32 ``[rows, n_blocks, block_size]``) per block.
+
+    ``importance`` is optional, float32 ``[block_size * n_blocks]`` per input channel (K),
+    e.g. mean squared activations from calibration data; solvers may ignore it.
+    Solvers must not modify ``w``.
+    """
+
+    def __call__(
+        self, w: np.ndarray, spec: BlockSpec, importance: np.ndarray | None = None
+    ) -> QuantizedBlocks: ...
+
+
+def dequantize(blocks: QuantizedBlocks, bits: int) -> np.ndarray:
+    """float32 ``[rows, n_blocks, block_size]`` reconstruction of ``blocks``."""
+    zp = blocks.implied_zero_points(bits)
+    return (blocks.q.astype(np.float32) - zp[..., None]) * blocks.scales.astype(np.float32)[..., None]
