@@ -1,0 +1,17 @@
+"""bitpress-rtn: round-to-nearest weight-only quantization (int4/int8) and NF4/FP4.
+
+The plugin supplies block solvers; the host's weight-only machinery does the graph work.
+"""
+
+from __future__ import annotations
+
+from bitpress import hookimpl
+from bitpress_rtn.passes import Bnb4Pass, RtnPass
+
+__all__ = ["Bnb4Pass", "RtnPass"]
+
+
+@hookimpl
+def bitpress_register_passes(register):  # noqa: ANN001, ANN201
+    register(RtnPass)
+    register(Bnb4Pass)

@@ -1,0 +1,62 @@
+"""The Python API, mirroring the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bitpress.models.base import ModelHandle
+from bitpress.onnx.save import SaveOptions
+from bitpress.plugins import Registry, get_registry
+from bitpress.workflow import (
+    PassStep,
+    RunResult,
+    Workflow,
+    build_workflow,
+    load_config,
+    run_workflow,
+)
+
+
+def load_model(path: str | Path, **options: Any) -> ModelHandle:
+    """Load a model through the plugins' loaders (ONNX files and folders by default)."""
+    return get_registry().hook.bitpress_load_model(source=Path(path), options=options)
+
+
+def quantize(
+    model: str | Path,
+    output: str | Path,
+    *,
+    algorithm: str,
+    precision: str | None = None,
+    options: dict[str, Any] | None = None,
+    components: list[str] | None = None,
+    jobs: int | None = None,
+    overwrite: bool = False,
+    external_data: bool | None = None,
+    max_shard_size: int | None = None,
+    check: bool = True,
+    progress: Any = None,
+    registry: Registry | None = None,
+) -> RunResult:
+    """Quantize ``model`` with the pass that provides ``algorithm`` at ``precision``."""
+    registry = registry or get_registry()
+    model_path = Path(model)
+    kind = "onnx"
+    cls = registry.select(algorithm, precision, kind)
+    step = PassStep(cls.from_config(options or {}, precision), f"{algorithm}/{precision or '-'}")
+    wf = Workflow(
+        input=model_path, output=Path(output), steps=[step], components=components, jobs=jobs,
+        overwrite=overwrite,
+        save=SaveOptions(external_data=external_data, max_shard_size=max_shard_size, check=check),
+    )
+    return run_workflow(wf, registry, progress=progress)
+
+
+def run(config: dict[str, Any] | str | Path, *, progress: Any = None,
+        registry: Registry | None = None) -> RunResult:
+    """Run a workflow config (a mapping, or a JSON/YAML file)."""
+    if not isinstance(config, dict):
+        config = load_config(Path(config))
+    wf = build_workflow(config, registry)
+    return run_workflow(wf, registry, progress=progress)

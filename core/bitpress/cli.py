@@ -1,0 +1,326 @@
+"""The ``bitpress`` command line. Only this module prints; the library logs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bitpress import __version__
+from bitpress.errors import BitpressError, UsageError
+from bitpress.options import describe
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(args.func(args) or 0)
+    except BitpressError as exc:
+        if args.verbose:
+            logging.getLogger("bitpress").exception("failed")
+        print(f"bitpress: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("bitpress: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if args.verbose:
+            raise
+        print(f"bitpress: internal error: {type(exc).__name__}: {exc} (rerun with --verbose)", file=sys.stderr)
+        return EXIT_FAIL
+
+
+# -- argument parsing -----------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bitpress", description="Quantize models with pluggable backends.")
+    p.add_argument("--version", action="version", version=f"bitpress {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
+    sub = p.add_subparsers(dest="command")
+
+    passes = sub.add_parser("passes", help="list or describe the installed passes")
+    psub = passes.add_subparsers(dest="passes_command")
+    pl = psub.add_parser("list", help="a table of every pass")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_cmd_passes_list)
+    ps = psub.add_parser("show", help="options, defaults and help of one pass")
+    ps.add_argument("name")
+    ps.add_argument("--json", action="store_true")
+    ps.set_defaults(func=_cmd_passes_show)
+    passes.set_defaults(func=_cmd_passes_list, json=False)
+
+    pg = sub.add_parser("plugins", help="installed plugins, versions, broken ones")
+    pg.add_argument("--json", action="store_true")
+    pg.set_defaults(func=_cmd_plugins)
+
+    q = sub.add_parser("quantize", help="quantize a model with one pass")
+    q.add_argument("-m", "--model", required=True, type=Path, help=".onnx file or ONNX folder")
+    q.add_argument("-o", "--output", required=True, type=Path,
+                   help="output .onnx file, or a folder (mirrors the input's name / layout)")
+    q.add_argument("--algorithm", required=True, help="e.g. rtn, hqq, kquant (see `passes list`)")
+    q.add_argument("--precision", help="e.g. int4, int8, nf4")
+    q.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a pass option; repeatable (see `passes show NAME`)")
+    _add_run_args(q)
+    q.add_argument("--components", nargs="+", help="sub-models of a folder to quantize (default: decoder)")
+    q.set_defaults(func=_cmd_quantize)
+
+    r = sub.add_parser("run", help="run a workflow config (JSON or YAML)")
+    r.add_argument("config", type=Path)
+    _add_run_args(r)
+    r.set_defaults(func=_cmd_run)
+
+    i = sub.add_parser("inspect", help="op counts, weights by dtype, quantized nodes, checker result")
+    i.add_argument("model", type=Path)
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--no-check", action="store_true", help="skip the ONNX checker")
+    i.set_defaults(func=_cmd_inspect)
+
+    d = sub.add_parser("demo", help="build a small model, quantize it, report size/time/error")
+    d.add_argument("--output", type=Path, default=Path("demo-out"))
+    d.add_argument("--preset", default="demo")
+    d.set_defaults(func=_cmd_demo)
+    return p
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--jobs", type=int, help="worker threads (default: all cores)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    ext = p.add_mutually_exclusive_group()
+    ext.add_argument("--external-data", dest="external_data", action="store_true", default=None,
+                     help="always write weights to <model>.onnx.data")
+    ext.add_argument("--single-file", dest="external_data", action="store_false",
+                     help="always write one .onnx file (models under 2 GB)")
+    p.add_argument("--max-shard-size", type=_size, help="split external data, e.g. 2GB, 500MB")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the ONNX checker and ONNX Runtime load after saving")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 500MB)")
+    unit = (m.group(2) or "").upper().replace("I", "").rstrip("B")
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def _setup_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("bitpress")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    root.propagate = False
+
+
+def _progress(iterable: Iterable[Any] | None = None, **kwargs: Any) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, leave=False,
+                disable=not sys.stderr.isatty(), **kwargs)
+
+
+# -- commands --------------------------------------------------------------------------------------
+def _registry():
+    from bitpress.plugins import get_registry
+
+    return get_registry()
+
+
+def _pass_rows() -> list[dict[str, Any]]:
+    reg = _registry()
+    rows = []
+    for cls in sorted(reg.passes.values(), key=lambda c: (c.plugin, c.name)):
+        reason = cls.unavailable_reason()
+        rows.append({
+            "pass": cls.name, "plugin": cls.plugin, "algorithms": list(cls.algorithms),
+            "precisions": list(cls.precisions), "model_kinds": list(cls.model_kinds),
+            "needs_data": cls.needs_data, "available": reason is None, "reason": reason,
+            "summary": cls.summary,
+        })
+    for info in reg.broken():
+        rows.append({
+            "pass": "?", "plugin": info.name, "algorithms": [], "precisions": [], "model_kinds": [],
+            "needs_data": None, "available": False, "reason": f"plugin failed to load: {info.error}",
+            "summary": "",
+        })
+    return rows
+
+
+def _cmd_passes_list(args: argparse.Namespace) -> int:
+    rows = _pass_rows()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    table = [["PASS", "PLUGIN", "ALGORITHMS", "PRECISIONS", "MODELS", "DATA", "AVAILABLE"]]
+    for r in rows:
+        table.append([
+            r["pass"], r["plugin"], ",".join(r["algorithms"]), ",".join(r["precisions"]),
+            ",".join(r["model_kinds"]), {True: "yes", False: "no", None: "?"}[r["needs_data"]],
+            "yes" if r["available"] else f"no: {r['reason']}",
+        ])
+    _print_table(table)
+    if not rows:
+        print("no passes installed; try: pip install \"bitpress[native]\"")
+    return EXIT_OK
+
+
+def _cmd_passes_show(args: argparse.Namespace) -> int:
+    reg = _registry()
+    cls = reg.passes.get(args.name)
+    if cls is None:
+        from bitpress.errors import PassNotFoundError
+
+        raise PassNotFoundError(f"no pass named {args.name!r}; see `bitpress passes list`")
+    opts = describe(cls.Options)
+    if args.json:
+        print(json.dumps({
+            "pass": cls.name, "plugin": cls.plugin, "summary": cls.summary,
+            "algorithms": list(cls.algorithms), "precisions": list(cls.precisions),
+            "model_kinds": list(cls.model_kinds), "needs_data": cls.needs_data,
+            "unavailable": cls.unavailable_reason(),
+            "options": [{"name": o.name, "type": o.type, "default": o.default, "help": o.help} for o in opts],
+        }, indent=2, default=str))
+        return EXIT_OK
+    print(f"{cls.name} (plugin {cls.plugin}): {cls.summary}")
+    print(f"  algorithms: {', '.join(cls.algorithms)}   precisions: {', '.join(cls.precisions)}")
+    print(f"  models: {', '.join(cls.model_kinds)}   needs data: {'yes' if cls.needs_data else 'no'}")
+    reason = cls.unavailable_reason()
+    if reason:
+        print(f"  unavailable: {reason}")
+    print("options:")
+    table = [["NAME", "TYPE", "DEFAULT", "HELP"]]
+    table += [[o.name, o.type, json.dumps(o.default, default=str), o.help] for o in opts]
+    _print_table(table, indent="  ")
+    return EXIT_OK
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    reg = _registry()
+    rows = [
+        {"plugin": p.name, "distribution": p.distribution, "version": p.version, "module": p.module,
+         "ok": p.ok, "error": p.error, "passes": p.passes}
+        for p in reg.plugins.values()
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    table = [["PLUGIN", "DISTRIBUTION", "VERSION", "PASSES", "STATUS"]]
+    for r in rows:
+        table.append([r["plugin"], r["distribution"] or "-", r["version"] or "-",
+                      ",".join(r["passes"]) or "-", "ok" if r["ok"] else f"broken: {r['error']}"])
+    _print_table(table)
+    return EXIT_OK
+
+
+def _parse_kv(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--option expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = value
+    return out
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from bitpress.api import quantize
+
+    result = quantize(
+        args.model, args.output, algorithm=args.algorithm, precision=args.precision,
+        options=_parse_kv(args.option), components=args.components, jobs=args.jobs,
+        overwrite=args.overwrite, external_data=args.external_data,
+        max_shard_size=args.max_shard_size, check=not args.no_check, progress=_progress,
+    )
+    _report(result, args.json)
+    return EXIT_OK
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from bitpress.api import run
+    from bitpress.workflow import load_config
+
+    config = load_config(args.config)
+    if args.overwrite:
+        config["overwrite"] = True
+    if args.jobs:
+        config["jobs"] = args.jobs
+    save = dict(config.get("save") or {})
+    if args.external_data is not None:
+        save["external_data"] = args.external_data
+    if args.max_shard_size:
+        save["max_shard_size"] = args.max_shard_size
+    if args.no_check:
+        save["check"] = False
+    if save:
+        config["save"] = save
+    _report(run(config, progress=_progress), args.json)
+    return EXIT_OK
+
+
+def _report(result: Any, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result.to_json(), indent=2))
+        return
+    ratio = result.input_bytes / result.output_bytes if result.output_bytes else 0
+    total = sum(result.seconds.values())
+    print(f"wrote {result.output} ({_mb(result.output_bytes)}, {ratio:.2f}x smaller than "
+          f"{_mb(result.input_bytes)}) in {total:.1f} s")
+    for f in result.files:
+        print(f"  {f}")
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from bitpress.api import load_model
+    from bitpress.inspect_model import inspect_path
+
+    reports = inspect_path(load_model(args.model), check=not args.no_check)
+    if args.json:
+        print(json.dumps(reports if len(reports) > 1 else reports[0], indent=2))
+        return EXIT_OK
+    for rep in reports:
+        print(f"{rep['model']}: {rep['nodes']} nodes, checker: {rep['checker']}")
+        print("  opsets: " + ", ".join(f"{k} {v}" for k, v in rep["opsets"].items()))
+        print("  ops: " + ", ".join(f"{k} x{v}" for k, v in rep["ops"].items()))
+        if rep["quantized_nodes"]:
+            print("  quantized: " + ", ".join(f"{k} x{v}" for k, v in rep["quantized_nodes"].items()))
+        print("  weights: " + ", ".join(f"{k} {_mb(v)}" for k, v in rep["weight_bytes_by_dtype"].items()))
+        if rep["external_data"]:
+            print("  external data: " + ", ".join(f"{k} ({_mb(v)})" for k, v in rep["external_data"].items()))
+    return EXIT_OK
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from bitpress.demo import run_demo
+
+    for line in run_demo(args.output, preset=args.preset, progress=_progress):
+        print(line)
+    return EXIT_OK
+
+
+# -- formatting --------------------------------------------------------------------------------
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def _print_table(rows: list[list[str]], indent: str = "") -> None:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print(indent + "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""``bitpress inspect``: what a model holds, without running it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from bitpress.models.onnx_model import OnnxModel
+from bitpress.models.package import OnnxPackage
+from bitpress.onnx.tensors import (
+    external_ref,
+    is_external,
+    iter_graphs,
+    iter_tensors,
+    tensor_nbytes,
+)
+
+QUANTIZED_OPS = {
+    "MatMulNBits", "GatherBlockQuantized", "MatMulBnb4", "MatMulInteger", "QLinearMatMul",
+    "QLinearConv", "DynamicQuantizeMatMul", "DequantizeLinear", "QuantizeLinear",
+    "DynamicQuantizeLinear", "QGemm",
+}
+
+
+def inspect_onnx(model: OnnxModel, *, check: bool = True) -> dict[str, Any]:
+    ops: Counter[str] = Counter()
+    quantized: Counter[str] = Counter()
+    for g in iter_graphs(model.graph):
+        for node in g.node:
+            key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}:{node.op_type}"
+            ops[key] += 1
+            if node.op_type in QUANTIZED_OPS:
+                quantized[node.op_type] += 1
+    by_dtype: Counter[str] = Counter()
+    data_files: Counter[str] = Counter()
+    for t in iter_tensors(model.proto):
+        by_dtype[onnx.TensorProto.DataType.Name(t.data_type).lower()] += tensor_nbytes(t)
+        if is_external(t):
+            data_files[external_ref(t).location] += tensor_nbytes(t)
+    checker = "skipped"
+    if check:
+        try:
+            onnx.checker.check_model(str(model.source))
+            checker = "ok"
+        except Exception as exc:
+            checker = "fails: " + (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return {
+        "model": str(model.source),
+        "opsets": {o.domain or "ai.onnx": o.version for o in model.proto.opset_import},
+        "nodes": sum(ops.values()),
+        "ops": dict(ops.most_common()),
+        "quantized_nodes": dict(quantized),
+        "weight_bytes_by_dtype": dict(by_dtype),
+        "external_data": dict(data_files),
+        "checker": checker,
+    }
+
+
+def inspect_path(model: Any, *, check: bool = True) -> list[dict[str, Any]]:
+    if isinstance(model, OnnxPackage):
+        return [inspect_onnx(model.component(rel), check=check) for rel in model.onnx_files]
+    if isinstance(model, OnnxModel):
+        return [inspect_onnx(model, check=check)]
+    return [{"model": str(getattr(model, "source", Path("?"))), "kind": model.kind}]

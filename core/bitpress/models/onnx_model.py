@@ -1,0 +1,157 @@
+"""An ONNX model held as its graph, with weights read only when a pass asks for them."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import numpy_helper
+
+from bitpress.errors import ModelLoadError
+from bitpress.models.base import ModelHandle
+from bitpress.onnx.tensors import ExternalResolver, is_external, iter_tensors
+
+log = logging.getLogger(__name__)
+
+#: new tensors at least this large go to a scratch file instead of memory
+SPILL_THRESHOLD = 1 << 20
+
+
+class OnnxModel(ModelHandle):
+    """One ``.onnx`` graph.
+
+    ``proto`` holds the graph; tensors stored as external data stay on disk (memory-mapped
+    when read). Passes replace tensors with :meth:`set_initializer`, which writes large new
+    tensors to a scratch file in the run's work folder, so the model is never held twice.
+    """
+
+    kind: ClassVar[str] = "onnx"
+
+    def __init__(self, proto: onnx.ModelProto, source: Path, base_dir: Path | None = None) -> None:
+        super().__init__(source)
+        self.proto = proto
+        self.resolver = ExternalResolver(base_dir if base_dir is not None else self.source.parent)
+        self._spill: tuple[Path, object] | None = None
+        self.modified = False
+
+    # -- loading -----------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: Path | str) -> OnnxModel:
+        """Read the graph of ``path`` and check its external data references (not the data)."""
+        path = Path(path)
+        if not path.exists():
+            raise ModelLoadError(f"model not found: {path}")
+        if path.is_dir():
+            raise ModelLoadError(f"{path} is a folder; expected an .onnx file")
+        if path.stat().st_size == 0:
+            raise ModelLoadError(f"{path} is empty; expected an ONNX model")
+        try:
+            proto = onnx.load(str(path), load_external_data=False)
+        except (DecodeError, ValueError, RuntimeError, OSError) as exc:
+            raise ModelLoadError(
+                f"{path} is not a valid ONNX model (truncated or another format): {_first_line(exc)}"
+            ) from None
+        # protobuf parses many non-ONNX byte strings without complaint: require a real graph
+        if proto.ir_version <= 0 or not proto.opset_import or not proto.HasField("graph"):
+            raise ModelLoadError(f"{path} is not a valid ONNX model (no IR version, opset or graph)")
+        model = cls(proto, path)
+        for tensor in iter_tensors(proto):
+            if is_external(tensor):
+                model.resolver.validate(tensor)
+        return model
+
+    # -- tensors -------------------------------------------------------------------------------
+    @property
+    def graph(self) -> onnx.GraphProto:
+        return self.proto.graph
+
+    def initializers(self) -> dict[str, onnx.TensorProto]:
+        return {t.name: t for t in self.graph.initializer}
+
+    def array(self, tensor: onnx.TensorProto | str) -> np.ndarray:
+        """The data of a tensor (or of the named initializer), memory-mapped when external."""
+        if isinstance(tensor, str):
+            found = self.initializers().get(tensor)
+            if found is None:
+                raise KeyError(f"no initializer named {tensor!r}")
+            tensor = found
+        return self.resolver.read(tensor)
+
+    def set_initializer(self, name: str, array: np.ndarray) -> onnx.TensorProto:
+        """Add or replace the initializer ``name`` with ``array``."""
+        tensor = self.make_tensor(name, array)
+        graph = self.graph
+        for i, existing in enumerate(graph.initializer):
+            if existing.name == name:
+                graph.initializer[i].CopyFrom(tensor)
+                break
+        else:
+            graph.initializer.append(tensor)
+        self.modified = True
+        return tensor
+
+    def make_tensor(self, name: str, array: np.ndarray) -> onnx.TensorProto:
+        """A TensorProto for ``array``; large ones are written to the scratch file."""
+        array = np.ascontiguousarray(array)
+        if array.nbytes < SPILL_THRESHOLD or self._spill_dir is None:
+            return numpy_helper.from_array(array, name)
+        path, handle = self._spill_file()
+        offset = handle.seek(0, 2)  # type: ignore[attr-defined]
+        pad = (-offset) % 64
+        handle.write(b"\0" * pad)  # type: ignore[attr-defined]
+        offset += pad
+        handle.write(array.tobytes())  # type: ignore[attr-defined]
+        handle.flush()  # type: ignore[attr-defined]
+        empty = np.zeros((0,), dtype=array.dtype)
+        tensor = numpy_helper.from_array(empty, name)
+        del tensor.dims[:]
+        tensor.dims.extend(array.shape)
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", path.name), ("offset", str(offset)), ("length", str(array.nbytes))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        return tensor
+
+    def remove_unused_initializers(self) -> list[str]:
+        """Drop initializers no node (in any subgraph) or graph output uses."""
+        from bitpress.onnx.graph import used_names
+
+        used = used_names(self.graph)
+        keep = [t for t in self.graph.initializer if t.name in used]
+        dropped = [t.name for t in self.graph.initializer if t.name not in used]
+        if dropped:
+            del self.graph.initializer[:]
+            self.graph.initializer.extend(keep)
+            self.modified = True
+        return dropped
+
+    # -- scratch -------------------------------------------------------------------------------
+    _spill_dir: Path | None = None
+
+    def use_workdir(self, workdir: Path | None) -> None:
+        """Let large new tensors spill to ``workdir`` (set by the host for each run)."""
+        self._spill_dir = Path(workdir) if workdir is not None else None
+
+    def _spill_file(self) -> tuple[Path, object]:
+        if self._spill is None:
+            assert self._spill_dir is not None
+            self._spill_dir.mkdir(parents=True, exist_ok=True)
+            path = self._spill_dir / f"spill-{uuid.uuid4().hex}.bin"
+            self._spill = (path, open(path, "w+b"))  # noqa: SIM115 - lives as long as the model
+            self.resolver.extra[path.name] = path
+        return self._spill
+
+    def close(self) -> None:
+        if self._spill is not None:
+            self._spill[1].close()  # type: ignore[attr-defined]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

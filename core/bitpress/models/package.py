@@ -1,0 +1,115 @@
+"""A folder of ONNX models with companion files (an ONNX Runtime GenAI package).
+
+Layouts seen in practice: ``model.onnx`` + ``genai_config.json`` + tokenizer files at the top,
+or sub-model folders (``decoder/``, ``embedding/``, ``vision_encoder/``). Passes run on the
+components the user picks; everything else is carried over byte for byte.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+from pathlib import Path
+from typing import ClassVar
+
+from bitpress.errors import ModelLoadError, UsageError
+from bitpress.models.base import ModelHandle
+from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx.tensors import is_external, iter_tensors
+
+log = logging.getLogger(__name__)
+
+GENAI_CONFIG = "genai_config.json"
+
+
+class OnnxPackage(ModelHandle):
+    kind: ClassVar[str] = "onnx-folder"
+
+    def __init__(self, root: Path, onnx_files: list[str]) -> None:
+        super().__init__(root)
+        self.root = Path(root)
+        self.onnx_files = onnx_files  # relative posix paths, sorted
+        self.loaded: dict[str, OnnxModel] = {}
+
+    @classmethod
+    def load(cls, root: Path) -> OnnxPackage:
+        root = Path(root)
+        files = sorted(
+            p.relative_to(root).as_posix() for p in root.rglob("*.onnx") if p.is_file()
+        )
+        if not files:
+            raise ModelLoadError(f"{root} is a folder without any .onnx model")
+        cfg = root / GENAI_CONFIG
+        if cfg.exists():
+            try:
+                json.loads(cfg.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ModelLoadError(f"{cfg} is not valid JSON: {exc}") from None
+        return cls(root, files)
+
+    @property
+    def genai_config(self) -> dict | None:
+        cfg = self.root / GENAI_CONFIG
+        return json.loads(cfg.read_text()) if cfg.exists() else None
+
+    def default_components(self) -> list[str]:
+        """The decoder of a GenAI package, else every model in the folder."""
+        cfg = self.genai_config
+        decoder = ((cfg or {}).get("model") or {}).get("decoder") or {}
+        filename = decoder.get("filename")
+        if filename:
+            for rel in self.onnx_files:
+                if rel == filename or (rel.endswith("/" + filename) and rel.startswith("decoder/")):
+                    return [rel]
+            if filename in self.onnx_files:
+                return [filename]
+        decoders = [f for f in self.onnx_files if f.startswith("decoder/")]
+        return decoders or list(self.onnx_files)
+
+    def select(self, patterns: list[str] | None) -> list[str]:
+        """Components matching names (``decoder``), paths or globs; default as above."""
+        if not patterns:
+            return self.default_components()
+        chosen: list[str] = []
+        for pat in patterns:
+            hits = [
+                f for f in self.onnx_files
+                if f == pat or fnmatch.fnmatch(f, pat) or f.split("/")[0] == pat
+                or Path(f).stem == pat
+            ]
+            if not hits:
+                raise UsageError(
+                    f"component {pat!r} not found in {self.root}; it holds: {', '.join(self.onnx_files)}"
+                )
+            chosen.extend(h for h in hits if h not in chosen)
+        return chosen
+
+    def component(self, rel: str) -> OnnxModel:
+        if rel not in self.loaded:
+            self.loaded[rel] = OnnxModel.load(self.root / rel)
+        return self.loaded[rel]
+
+    def files_of(self, rel: str) -> set[Path]:
+        """The .onnx file of a component and the external data files it references."""
+        model = self.component(rel)
+        files = {(self.root / rel).resolve()}
+        for t in iter_tensors(model.proto):
+            if is_external(t):
+                files.add(model.resolver.path(t)[0].resolve())
+        return files
+
+    def companion_files(self, replaced: list[str]) -> list[Path]:
+        """Files to copy as they are: all but the replaced components' own files."""
+        skip: set[Path] = set()
+        for rel in replaced:
+            skip |= self.files_of(rel)
+        keep_for_others: set[Path] = set()
+        for rel in self.onnx_files:
+            if rel not in replaced:
+                keep_for_others.add((self.root / rel).resolve())
+        out = []
+        for p in sorted(self.root.rglob("*")):
+            if p.is_file() and (p.resolve() not in skip or p.resolve() in keep_for_others):
+                out.append(p)
+        return out

@@ -1,0 +1,1 @@
+"""Shared ONNX machinery: tensors and external data, saving and checks, weight-only writers."""

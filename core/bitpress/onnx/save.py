@@ -1,0 +1,230 @@
+"""Saving ONNX models that always load, and checking them after each save.
+
+Every tensor ends up either inline (small ones, or all of them in a single-file model) or in
+``<name>.onnx.data`` beside the model with a relative ``location``: the seed bug (references
+to files that were never written) cannot happen because each tensor's bytes are copied from
+wherever they live now — the input's data file, a scratch file, memory — into the output.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+from onnx import numpy_helper
+
+from bitpress.errors import OutputError, ValidationError
+from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx.graph import ensure_opsets
+from bitpress.onnx.tensors import external_ref, is_external, iter_tensors, tensor_nbytes
+
+log = logging.getLogger(__name__)
+
+TWO_GB = 2**31
+#: below this, a model without a request for external data is written as a single file
+SINGLE_FILE_LIMIT = TWO_GB - (64 << 20)
+INLINE_THRESHOLD = 1024  # tensors smaller than this stay inside the .onnx file
+_COPY_CHUNK = 16 << 20
+
+
+@dataclass
+class SaveOptions:
+    external_data: bool | None = None  # None: only when the model needs it (>= 2 GB)
+    max_shard_size: int | None = None  # bytes per data file; None: one file
+    check: bool = True  # checker + ONNX Runtime session after saving
+
+
+def save_onnx(model: OnnxModel, dest: Path, options: SaveOptions | None = None) -> list[Path]:
+    """Write ``model`` to ``dest`` (an ``.onnx`` path) and return the files written."""
+    options = options or SaveOptions()
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    proto = model.proto
+    ensure_opsets(proto)
+    tensors = list(iter_tensors(proto))
+    total = sum(tensor_nbytes(t) for t in tensors)
+    external = options.external_data
+    if external is None:
+        external = total >= SINGLE_FILE_LIMIT or options.max_shard_size is not None
+    if not external and total >= SINGLE_FILE_LIMIT:
+        raise OutputError(
+            f"the model holds {total / 2**30:.2f} GiB of tensors; a single .onnx file is limited "
+            "to 2 GiB: save with external data (--external-data)"
+        )
+
+    # Swap each tensor's storage to the output layout, serialize, then restore the handle.
+    saved: list[tuple[onnx.TensorProto, onnx.TensorProto]] = []
+    writer = _DataWriter(dest, options.max_shard_size) if external else None
+    try:
+        for tensor in tensors:
+            if external:
+                assert writer is not None
+                nbytes = tensor_nbytes(tensor)
+                if nbytes < INLINE_THRESHOLD:
+                    if is_external(tensor):
+                        saved.append(_backup(tensor))
+                        _inline(model, tensor)
+                    continue
+                saved.append(_backup(tensor))
+                location, offset = writer.write_tensor(model, tensor, nbytes)
+                _point_to(tensor, location, offset, nbytes)
+            elif is_external(tensor):
+                saved.append(_backup(tensor))
+                _inline(model, tensor)
+        files = writer.close() if writer is not None else []
+        writer = None
+        data = proto.SerializeToString()
+        with open(dest, "wb") as f:
+            f.write(data)
+        del data
+    finally:
+        if writer is not None:
+            writer.close()
+        for tensor, original in saved:
+            tensor.CopyFrom(original)
+    files.insert(0, dest)
+    if options.check:
+        check_saved(dest, reference=model.source)
+    return files
+
+
+def _backup(tensor: onnx.TensorProto) -> tuple[onnx.TensorProto, onnx.TensorProto]:
+    copy = onnx.TensorProto()
+    copy.CopyFrom(tensor)
+    return tensor, copy
+
+
+def _inline(model: OnnxModel, tensor: onnx.TensorProto) -> None:
+    raw = model.resolver.read_bytes(tensor)
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    tensor.raw_data = raw
+
+
+def _point_to(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data",
+                  "uint64_data", "string_data"):
+        tensor.ClearField(field)
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+class _DataWriter:
+    """Appends tensors to ``<model>.data`` (and shards), aligned for memory mapping."""
+
+    def __init__(self, dest: Path, max_shard: int | None) -> None:
+        self.dest = dest
+        self.max_shard = max_shard
+        self.files: list[Path] = []
+        self.handle = None
+        self.size = 0
+        self._open_next()
+
+    def _open_next(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+        n = len(self.files)
+        path = self.dest.with_name(self.dest.name + (".data" if n == 0 else f".data.{n}"))
+        self.files.append(path)
+        self.handle = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self.size = 0
+
+    def write_tensor(self, model: OnnxModel, tensor: onnx.TensorProto, nbytes: int) -> tuple[str, int]:
+        align = 4096 if nbytes >= (1 << 20) else 64
+        pad = (-self.size) % align
+        if self.max_shard is not None and self.size > 0 and self.size + pad + nbytes > self.max_shard:
+            self._open_next()
+            pad = 0
+        assert self.handle is not None
+        if pad:
+            self.handle.write(b"\0" * pad)
+            self.size += pad
+        offset = self.size
+        if is_external(tensor):
+            src, ref = model.resolver.path(tensor)
+            _copy_range(src, ref.offset, nbytes, self.handle)
+        elif tensor.HasField("raw_data"):
+            self.handle.write(tensor.raw_data)
+        else:
+            self.handle.write(numpy_helper.to_array(tensor).tobytes())
+        self.size += nbytes
+        return self.files[-1].name, offset
+
+    def close(self) -> list[Path]:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+        return list(self.files)
+
+
+def _copy_range(src: Path, offset: int, length: int, out) -> None:
+    """Copy bytes file-to-file in the kernel where possible (no user-space buffer)."""
+    out.flush()
+    with open(src, "rb") as f:
+        remaining, pos = length, offset
+        if hasattr(os, "copy_file_range"):
+            try:
+                while remaining:
+                    n = os.copy_file_range(f.fileno(), out.fileno(), min(remaining, 1 << 30), pos)
+                    if n == 0:
+                        break
+                    pos += n
+                    remaining -= n
+            except OSError:
+                pass
+        f.seek(pos)
+        while remaining:
+            chunk = f.read(min(remaining, _COPY_CHUNK))
+            if not chunk:
+                raise ValidationError(f"{src} ended before the tensor's bytes were read")
+            out.write(chunk)
+            remaining -= len(chunk)
+
+
+def check_saved(path: Path, reference: Path | None = None) -> None:
+    """``onnx.checker.check_model(path)`` and an ONNX Runtime CPU session on the saved file.
+
+    A checker failure that the input model shares (e.g. ORT GenAI exports with ORT-only ops
+    in the default domain) is logged, not raised: the output must fail no check that the
+    input passed. The ONNX Runtime session must always open.
+    """
+    try:
+        onnx.checker.check_model(str(path))
+    except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as exc:  # type: ignore[attr-defined]
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if reference is not None and reference.suffix == ".onnx" and not _passes_checker(reference):
+            log.info("%s fails the ONNX checker as its input does: %s", path.name, reason)
+        else:
+            raise ValidationError(f"saved model {path.name} fails the ONNX checker: {reason}") from None
+    open_session(path)
+
+
+def _passes_checker(path: Path) -> bool:
+    try:
+        onnx.checker.check_model(str(path))
+    except Exception:
+        return False
+    return True
+
+
+def open_session(path: Path):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    # the check is that the file loads and every op resolves; optimizing is not needed
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValidationError(f"ONNX Runtime cannot open the saved model {path.name}: {first}") from None
+
+
+__all__ = ["SaveOptions", "check_saved", "external_ref", "open_session", "save_onnx"]

@@ -1,0 +1,206 @@
+"""Walking every tensor of a graph and reading tensor data without loading the model twice.
+
+External data is the usual home of weights. ``location`` entries are resolved against the
+model's folder and must stay inside it: absolute paths and ``..`` escapes are refused (a known
+class of ONNX vulnerabilities).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from bitpress.errors import ModelLoadError, UnsafeExternalDataError
+
+
+def iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph (If/Loop/Scan bodies), depth first."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from iter_graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from iter_graphs(g)
+
+
+def iter_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every TensorProto that can hold data: initializers, sparse parts, node attributes.
+
+    The seed bug of this project was a ``Constant`` node's tensor left pointing at a file
+    that was never written; walking attributes too is what prevents it.
+    """
+    for graph in iter_graphs(model.graph):
+        yield from graph.initializer
+        for sparse in graph.sparse_initializer:
+            yield sparse.values
+            yield sparse.indices
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.TENSOR:
+                    yield attr.t
+                elif attr.type == onnx.AttributeProto.TENSORS:
+                    yield from attr.tensors
+                elif attr.type == onnx.AttributeProto.SPARSE_TENSOR:
+                    yield attr.sparse_tensor.values
+                    yield attr.sparse_tensor.indices
+
+
+def is_external(tensor: onnx.TensorProto) -> bool:
+    return tensor.data_location == onnx.TensorProto.EXTERNAL
+
+
+@dataclass(frozen=True)
+class ExternalRef:
+    location: str
+    offset: int
+    length: int | None
+
+
+def external_ref(tensor: onnx.TensorProto) -> ExternalRef:
+    info = {e.key: e.value for e in tensor.external_data}
+    if "location" not in info:
+        raise ModelLoadError(f"tensor {tensor.name!r} is marked external but has no location")
+    try:
+        offset = int(info.get("offset", 0))
+        length = int(info["length"]) if "length" in info else None
+    except ValueError:
+        raise ModelLoadError(f"tensor {tensor.name!r} has a malformed external offset/length") from None
+    return ExternalRef(info["location"], offset, length)
+
+
+def check_location(location: str, base_dir: Path, *, tensor: str) -> Path:
+    """The file ``location`` names, refusing anything that leaves ``base_dir``."""
+    if (
+        not location
+        or PurePosixPath(location).is_absolute()
+        or PureWindowsPath(location).is_absolute()
+        or PureWindowsPath(location).drive
+        or location.startswith(("/", "\\"))
+    ):
+        raise UnsafeExternalDataError(
+            f"tensor {tensor!r}: external data location {location!r} is absolute; ONNX external "
+            "data must be a path relative to the model's folder (refused for safety)"
+        )
+    parts = PurePosixPath(location.replace("\\", "/")).parts
+    if ".." in parts:
+        raise UnsafeExternalDataError(
+            f"tensor {tensor!r}: external data location {location!r} leaves the model's folder; "
+            "move the data file beside the model (refused for safety)"
+        )
+    base = base_dir.resolve()
+    path = (base / Path(*parts)).resolve()
+    if not path.is_relative_to(base):
+        raise UnsafeExternalDataError(
+            f"tensor {tensor!r}: external data location {location!r} resolves outside the "
+            f"model's folder (through a symbolic link) to {path}; refused for safety"
+        )
+    return path
+
+
+def tensor_nbytes(tensor: onnx.TensorProto) -> int:
+    """Bytes of the tensor's data as stored (external length, raw bytes or typed fields)."""
+    if is_external(tensor):
+        ref = external_ref(tensor)
+        if ref.length is not None:
+            return ref.length
+        return expected_nbytes(tensor) or 0
+    if tensor.HasField("raw_data"):
+        return len(tensor.raw_data)
+    return expected_nbytes(tensor) or 0
+
+
+def np_dtype(tensor: onnx.TensorProto) -> np.dtype:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+
+
+def expected_nbytes(tensor: onnx.TensorProto) -> int | None:
+    """Size in bytes implied by dims and dtype (None for strings / sub-byte types)."""
+    if tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        return None
+    try:
+        itemsize = np_dtype(tensor).itemsize
+    except (KeyError, TypeError, ValueError):
+        return None
+    bits = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4}.get(tensor.data_type)
+    count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
+    if bits is not None:
+        return (count * bits + 7) // 8
+    return count * itemsize
+
+
+class ExternalResolver:
+    """Maps external locations to files: the model's folder plus scratch files of passes."""
+
+    def __init__(self, base_dir: Path) -> None:
+        self.base_dir = Path(base_dir)
+        self.extra: dict[str, Path] = {}
+
+    def path(self, tensor: onnx.TensorProto) -> tuple[Path, ExternalRef]:
+        ref = external_ref(tensor)
+        if ref.location in self.extra:
+            return self.extra[ref.location], ref
+        return check_location(ref.location, self.base_dir, tensor=tensor.name), ref
+
+    def read(self, tensor: onnx.TensorProto) -> np.ndarray:
+        """The tensor as a numpy array; external data is memory-mapped, not copied."""
+        if not is_external(tensor):
+            return numpy_helper.to_array(tensor)
+        path, ref = self.path(tensor)
+        dtype = np_dtype(tensor)
+        shape = tuple(tensor.dims)
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if count == 0:
+            return np.zeros(shape, dtype=dtype)
+        if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+            # sub-byte types: let onnx unpack them from the bytes
+            copy = onnx.TensorProto()
+            copy.CopyFrom(tensor)
+            del copy.external_data[:]
+            copy.data_location = onnx.TensorProto.DEFAULT
+            copy.raw_data = self.read_bytes(tensor)
+            return numpy_helper.to_array(copy)
+        try:
+            return np.memmap(path, dtype=dtype, mode="r", offset=ref.offset, shape=shape)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read external data of {tensor.name!r} from {path}: {exc}") from None
+
+    def read_bytes(self, tensor: onnx.TensorProto) -> bytes:
+        path, ref = self.path(tensor)
+        length = ref.length if ref.length is not None else expected_nbytes(tensor) or 0
+        with open(path, "rb") as f:
+            f.seek(ref.offset)
+            data = f.read(length)
+        if len(data) != length:
+            raise ModelLoadError(f"external data of {tensor.name!r} in {path} is truncated")
+        return data
+
+    def validate(self, tensor: onnx.TensorProto) -> Path:
+        """Check that the tensor's external bytes exist, inside the folder and the file."""
+        path, ref = self.path(tensor)
+        if not path.is_file():
+            raise ModelLoadError(
+                f"tensor {tensor.name!r}: external data file {ref.location!r} is missing "
+                f"(looked for {path}); keep the data file beside the model"
+            )
+        size = os.path.getsize(path)
+        expected = expected_nbytes(tensor)
+        length = ref.length if ref.length is not None else expected
+        if ref.length is not None and expected is not None and ref.length != expected:
+            raise ModelLoadError(
+                f"tensor {tensor.name!r}: external length {ref.length} does not match its shape "
+                f"{list(tensor.dims)} ({expected} bytes)"
+            )
+        if length is not None and ref.offset + length > size:
+            raise ModelLoadError(
+                f"tensor {tensor.name!r}: external data {ref.location!r} is truncated "
+                f"(needs bytes {ref.offset}..{ref.offset + length}, file has {size})"
+            )
+        return path

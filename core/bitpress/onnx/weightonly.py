@@ -1,0 +1,593 @@
+"""Weight-only block quantization of ONNX graphs, shared by every native algorithm.
+
+The host does the graph work once: it finds the weights of ``MatMul``, ``Gemm`` and ``Gather``
+nodes, groups the nodes that read the same table (tied embedding / LM head, weights shared by
+several MatMuls), reads each weight in bounded chunks, asks the plugin's block solver for
+integers, scales and zero points, and writes ``com.microsoft`` ``MatMulNBits`` /
+``GatherBlockQuantized`` nodes with the layouts of :mod:`bitpress.onnx.layout`.
+
+A plugin only supplies a :class:`~bitpress.quant.solver.BlockSolver` (see
+:class:`WeightOnlyPass`).
+
+Orientation: ``MatMulNBits`` quantizes ``B [K, N]`` in blocks along K for each of the N output
+columns, i.e. the rows of ``B^T``. A table read by ``Gather`` is quantized along its last axis,
+i.e. its own rows. A table ``T [vocab, hidden]`` that feeds ``Gather`` and, through
+``Transpose``, the LM-head ``MatMul`` therefore has one orientation for both: it is quantized
+once and the two nodes share the bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from bitpress.errors import QuantizationError
+from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx import layout
+from bitpress.onnx.graph import MS_DOMAIN, consumers, producers, used_names
+from bitpress.onnx.tensors import is_external, np_dtype
+from bitpress.options import option
+from bitpress.passes import Pass, PassContext
+from bitpress.quant.solver import BlockSolver, BlockSpec, QuantizedBlocks
+from bitpress.selection import NameMatcher
+
+log = logging.getLogger(__name__)
+
+FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+#: float32 elements per chunk handed to a solver (bounds memory per tensor in flight)
+CHUNK_ELEMENTS = 8 << 20
+
+
+# -- options -----------------------------------------------------------------------------------
+@dataclass
+class WeightOnlyOptions:
+    """Options every weight-only pass shares; the names follow Olive's passes."""
+
+    bits: int = option(4, "bits per weight: 4 or 8 (set by --precision int4/int8)")
+    block_size: int = option(32, "weights per block along K: a power of two from 16 to 256")
+    is_symmetric: bool = option(False, "symmetric quantization (no zero points stored)")
+    accuracy_level: int = option(
+        0, "MatMulNBits accuracy_level: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 compute"
+    )
+    op_types: list[str] = option(["MatMul", "Gemm", "Gather"], "op types whose weights are quantized")
+    nodes_to_include: list[str] = option(
+        [], "only these nodes (names, globs or re:REGEX; node or weight names); empty: all"
+    )
+    nodes_to_exclude: list[str] = option([], "nodes left in float (names, globs or re:REGEX)")
+    overrides: dict[str, dict[str, Any]] = option(
+        {}, 'per-node settings, first match wins: {"re:.*down_proj.*": {"bits": 8}}'
+    )
+
+    def validate(self) -> None:
+        check_bits_block(self.bits, self.block_size, "")
+        if self.accuracy_level not in range(5):
+            raise ValueError("accuracy_level must be 0..4")
+        bad = sorted(set(self.op_types) - {"MatMul", "Gemm", "Gather"})
+        if bad:
+            raise ValueError(f"op_types {bad} are not supported; use MatMul, Gemm, Gather")
+        for pattern, settings in self.overrides.items():
+            if not isinstance(settings, dict) or set(settings) - {"bits", "block_size", "is_symmetric"}:
+                raise ValueError(
+                    f"overrides[{pattern!r}] must map to bits / block_size / is_symmetric, got {settings!r}"
+                )
+            check_bits_block(
+                int(settings.get("bits", self.bits)),
+                int(settings.get("block_size", self.block_size)),
+                f"overrides[{pattern!r}]: ",
+            )
+
+
+def check_bits_block(bits: int, block_size: int, where: str) -> None:
+    if bits not in (4, 8):
+        raise ValueError(f"{where}bits must be 4 or 8, got {bits}")
+    if block_size < 16 or block_size > 256 or block_size & (block_size - 1):
+        raise ValueError(f"{where}block_size must be a power of two from 16 to 256, got {block_size}")
+
+
+# -- what to quantize ------------------------------------------------------------------------------
+@dataclass
+class Use:
+    """One node reading a weight, and how (which orientation it needs)."""
+
+    node: onnx.NodeProto
+    kind: str  # "matmul" (B [K,N]), "matmul_t" (B = Transpose(T [N,K])), "gemm", "gemm_t", "gather"
+    transpose: onnx.NodeProto | None = None
+
+    @property
+    def rows_are_table_rows(self) -> bool:
+        # True: quantization blocks run along the table's last axis (its rows are the N rows)
+        return self.kind in ("matmul_t", "gemm_t", "gather")
+
+
+@dataclass
+class Group:
+    """One weight initializer and every node that will read its quantized form."""
+
+    weight: str
+    uses: list[Use] = field(default_factory=list)
+    bits: int = 4
+    block_size: int = 32
+    symmetric: bool = False
+
+
+@dataclass
+class Plan:
+    groups: list[Group]
+    skipped: dict[str, str]  # weight or node -> reason
+
+
+def plan(model: OnnxModel, opts: WeightOnlyOptions) -> Plan:
+    """Decide which weights to quantize and how, before reading any of them."""
+    graph = model.graph
+    inits = model.initializers()
+    cons = consumers(graph)
+    prods = producers(graph)
+    include = NameMatcher(opts.nodes_to_include, what="nodes_to_include")
+    exclude = NameMatcher(opts.nodes_to_exclude, what="nodes_to_exclude")
+    overrides = NameMatcher(list(opts.overrides), what="overrides key")
+    subgraph_reads = _subgraph_reads(graph)
+    graph_outputs = {o.name for o in graph.output}
+    skipped: dict[str, str] = {}
+    uses: dict[str, list[Use]] = defaultdict(list)
+
+    for node in graph.node:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in opts.op_types:
+            continue
+        use, weight, why = _classify(node, inits, prods, cons)
+        if use is None:
+            if why:
+                skipped[node.name or node.output[0]] = why
+            continue
+        uses[weight].append(use)
+
+    groups = []
+    for weight, wuses in uses.items():
+        tensor = inits[weight]
+        # every reader of the weight (directly or via the Transpose) must be a planned use
+        readers = {id(n) for n in cons.get(weight, [])}
+        planned = {id(u.node) for u in wuses} | {id(u.transpose) for u in wuses if u.transpose is not None}
+        for u in wuses:
+            if u.transpose is not None:
+                t_out = u.transpose.output[0]
+                readers |= {id(n) for n in cons.get(t_out, [])}
+                if t_out in graph_outputs or t_out in subgraph_reads:
+                    readers.add(-1)
+        if readers - planned or weight in graph_outputs or weight in subgraph_reads:
+            skipped[weight] = "also read by nodes that are not quantized; kept in float"
+            continue
+        names = [n for u in wuses for n in (u.node.name, weight)]
+        if include and not any(include.matches(u.node.name, weight) for u in wuses):
+            continue
+        excluded = [u.node.name for u in wuses if exclude.matches(u.node.name, weight)]
+        if include:
+            excluded += [u.node.name for u in wuses if not include.matches(u.node.name, weight)]
+        if excluded:
+            if len(wuses) > 1:
+                skipped[weight] = (
+                    f"shared by {len(wuses)} nodes and {', '.join(sorted(set(excluded)))} excluded: "
+                    "all of them stay float so the weight stays one tensor"
+                )
+            continue
+        orientations = {u.rows_are_table_rows for u in wuses}
+        if len(orientations) > 1:
+            skipped[weight] = "read in two orientations (e.g. MatMul and Gather without Transpose); kept in float"
+            continue
+        settings = []
+        for u in wuses:
+            key = overrides.first(u.node.name, weight)
+            settings.append(dict(opts.overrides[key]) if key is not None else {})
+        bits = {int(s.get("bits", opts.bits)) for s in settings}
+        blocks = {int(s.get("block_size", opts.block_size)) for s in settings}
+        sym = {bool(s.get("is_symmetric", opts.is_symmetric)) for s in settings}
+        if len(bits) > 1 or len(blocks) > 1 or len(sym) > 1:
+            skipped[weight] = (
+                "tied/shared weight with conflicting overrides for its nodes "
+                f"({', '.join(sorted(set(names)))}); kept in float"
+            )
+            continue
+        group = Group(weight, wuses, bits.pop(), blocks.pop(), sym.pop())
+        reason = _layout_problem(group, tensor)
+        if reason:
+            skipped[weight] = reason
+            continue
+        groups.append(group)
+    return Plan(groups, skipped)
+
+
+def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
+    reads: set[str] = set()
+    for node in graph.node:
+        for attr in node.attribute:
+            subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for g in subs:
+                reads |= used_names(g)
+    return reads
+
+
+def _classify(
+    node: onnx.NodeProto,
+    inits: dict[str, onnx.TensorProto],
+    prods: dict[str, onnx.NodeProto],
+    cons: dict[str, list[onnx.NodeProto]],
+) -> tuple[Use | None, str, str | None]:
+    """How ``node`` reads a constant weight, or why it cannot be quantized."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if node.op_type == "Gather":
+        name = node.input[0]
+        t = inits.get(name)
+        if t is None:
+            return None, "", None  # a Gather on activations
+        if len(t.dims) != 2 or t.data_type not in FLOAT_TYPES:
+            return None, "", "Gather table is not a 2-D float initializer"
+        if attrs.get("axis", 0) != 0:
+            return None, "", "Gather axis is not 0 (GatherBlockQuantized needs gather_axis 0)"
+        return Use(node, "gather"), name, None
+    if len(node.input) < 2:
+        return None, "", None
+    b = node.input[1]
+    transpose = None
+    t = inits.get(b)
+    if t is None and node.op_type == "MatMul" and b in prods and prods[b].op_type == "Transpose":
+        tr = prods[b]
+        perm = [int(p) for p in attrs_of(tr).get("perm", [1, 0])]
+        src = inits.get(tr.input[0])
+        if src is not None and len(src.dims) == 2 and perm == [1, 0]:
+            t, transpose, b = src, tr, tr.input[0]
+    if t is None:
+        return None, "", None  # activations x activations (attention scores): nothing to do
+    if len(t.dims) != 2:
+        return None, "", f"weight {b} is {len(t.dims)}-D; only 2-D weights are quantized"
+    if t.data_type not in FLOAT_TYPES:
+        return None, "", f"weight {b} is not float"
+    if node.op_type == "MatMul":
+        return Use(node, "matmul_t" if transpose is not None else "matmul", transpose), b, None
+    # Gemm: Y = alpha * A' B' + beta * C
+    if attrs.get("transA", 0):
+        return None, "", "Gemm with transA=1 is skipped (MatMulNBits has no transposed A)"
+    if float(attrs.get("alpha", 1.0)) != 1.0:
+        return None, "", "Gemm with alpha != 1 is skipped (no exact rewrite)"
+    if len(node.input) > 2 and node.input[2] and float(attrs.get("beta", 1.0)) != 1.0:
+        return None, "", "Gemm with beta != 1 is skipped (no exact rewrite)"
+    return Use(node, "gemm_t" if attrs.get("transB", 0) else "gemm"), b, None
+
+
+def attrs_of(node: onnx.NodeProto) -> dict[str, Any]:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _layout_problem(group: Group, tensor: onnx.TensorProto) -> str | None:
+    rows, cols = (int(d) for d in tensor.dims)
+    has_gather = any(u.kind == "gather" for u in group.uses)
+    has_matmul = any(u.kind != "gather" for u in group.uses)
+    if has_gather:
+        hidden = cols
+        if hidden * group.bits % 8:
+            return f"Gather table width {hidden} does not fill whole bytes at {group.bits} bits; kept in float"
+        if tensor.data_type == onnx.TensorProto.BFLOAT16:
+            return "bfloat16 tables are not supported by GatherBlockQuantized on CPU; kept in float"
+    if has_gather and has_matmul:
+        share = layout.tied_table_sharing(
+            rows, cols, group.bits, group.block_size, "none" if group.symmetric else "uint8", flat=False
+        )
+        if not share.shareable:
+            return (
+                f"tied table read by Gather and MatMul cannot share one quantized layout ({share.reason}); "
+                "both stay float so the tie is kept"
+            )
+    return None
+
+
+# -- reading, solving, writing -----------------------------------------------------------------------
+@dataclass
+class Result:
+    """What a solver produced for one group, ready to be written."""
+
+    group: Group
+    blocks: QuantizedBlocks
+    k: int  # true reduction length (before padding)
+    dtype: np.dtype  # the weight's float type (scales use it)
+    error: float  # relative Frobenius error of the dequantized weight
+
+
+def iter_row_chunks(model: OnnxModel, group: Group) -> Iterator[tuple[int, int, np.ndarray]]:
+    """Yield ``(row0, row1, w)`` with float32 ``w [rows, K]`` in the quantization orientation.
+
+    Reads at most ``CHUNK_ELEMENTS`` weights at a time; memory-mapped views are dropped after
+    each chunk so resident memory stays bounded on big models.
+    """
+    tensor = model.initializers()[group.weight]
+    a, b = (int(d) for d in tensor.dims)
+    by_rows = group.uses[0].rows_are_table_rows
+    rows, k = (a, b) if by_rows else (b, a)
+    if by_rows:
+        step = max(1, CHUNK_ELEMENTS // max(k, 1))
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            src = model.array(tensor)
+            chunk = np.asarray(src[r0:r1], dtype=np.float32)
+            del src
+            yield r0, r1, chunk
+    else:
+        # B [K, N]: the N rows of B^T; read whole column bands (contiguous row ranges of B)
+        step = max(1, CHUNK_ELEMENTS // max(k, 1))
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            src = model.array(tensor)
+            chunk = np.ascontiguousarray(np.asarray(src[:, r0:r1], dtype=np.float32).T)
+            del src
+            yield r0, r1, chunk
+
+
+def solve_group(
+    model: OnnxModel, group: Group, solver: BlockSolver, float_zero_points: bool,
+    importance: np.ndarray | None = None,
+) -> Result:
+    tensor = model.initializers()[group.weight]
+    dtype = np_dtype(tensor)
+    a, b = (int(d) for d in tensor.dims)
+    by_rows = group.uses[0].rows_are_table_rows
+    rows, k = (a, b) if by_rows else (b, a)
+    bs = group.block_size
+    n_blocks = -(-k // bs)
+    # float offsets exist only for 4-bit MatMulNBits: not for Gather, nor for 8 bits on CPU
+    use_float_zp = (
+        float_zero_points and not group.symmetric and group.bits == 4
+        and not any(u.kind == "gather" for u in group.uses)
+    )
+    spec = BlockSpec(group.bits, bs, group.symmetric, use_float_zp)
+    q = np.empty((rows, n_blocks, bs), np.uint8)
+    scales = np.empty((rows, n_blocks), np.float32)
+    zps = None if group.symmetric else np.empty((rows, n_blocks), np.float32 if use_float_zp else np.uint8)
+    err_num = 0.0
+    err_den = 0.0
+    if importance is not None and importance.shape[0] != k:
+        importance = None
+    imp = None if importance is None else np.pad(importance.astype(np.float32), (0, n_blocks * bs - k))
+    for r0, r1, w in iter_row_chunks(model, group):
+        if not np.isfinite(w).all():
+            raise QuantizationError(f"weight {group.weight} holds NaN or infinite values; cannot quantize it")
+        if n_blocks * bs != k:
+            w = np.pad(w, ((0, 0), (0, n_blocks * bs - k)))
+        w3 = w.reshape(r1 - r0, n_blocks, bs)
+        out = solver(w3, spec, imp)
+        _check_solver_output(out, w3.shape, spec, group.weight)
+        q[r0:r1] = out.q
+        scales[r0:r1] = out.scales
+        if zps is not None:
+            if out.zero_points is None:
+                raise QuantizationError(f"solver returned no zero points for asymmetric {group.weight}")
+            zps[r0:r1] = out.zero_points
+        deq = (out.q.astype(np.float32) - out.implied_zero_points(spec.bits)[..., None]) * out.scales[..., None]
+        diff = (deq - w3).reshape(r1 - r0, -1)[:, :k]
+        err_num += float(np.einsum("ij,ij->", diff, diff))
+        err_den += float(np.einsum("ij,ij->", w[:, :k], w[:, :k]))
+    blocks = QuantizedBlocks(q, scales, zps)
+    return Result(group, blocks, k, dtype, (err_num / err_den) ** 0.5 if err_den else 0.0)
+
+
+def _check_solver_output(out: QuantizedBlocks, shape: tuple[int, ...], spec: BlockSpec, name: str) -> None:
+    if out.q.shape != shape or out.scales.shape != shape[:2]:
+        raise QuantizationError(
+            f"the block solver returned shapes q{out.q.shape} scales{out.scales.shape} for {name}, "
+            f"expected q{shape} scales{shape[:2]}"
+        )
+    if out.q.dtype != np.uint8 or (out.q.size and int(out.q.max()) >= 2**spec.bits):
+        raise QuantizationError(f"the block solver returned integers outside [0, 2**{spec.bits}) for {name}")
+
+
+class Writer:
+    """Applies solved groups to the graph (single-threaded: protobuf edits are not thread-safe)."""
+
+    def __init__(self, model: OnnxModel, accuracy_level: int) -> None:
+        self.model = model
+        self.accuracy_level = accuracy_level
+        self.graph = model.graph
+        self.replace: dict[int, list[onnx.NodeProto]] = {}  # id(old node) -> new nodes
+        self.drop: set[int] = set()
+        self.new_inits: list[onnx.TensorProto] = []
+
+    def write(self, res: Result) -> None:
+        g = res.group
+        weight = g.weight
+        scale_dtype = np.float16 if res.dtype == np.float16 else np.float32
+        if res.dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
+            scale_dtype = np.float32
+        has_gather = any(u.kind == "gather" for u in g.uses)
+        matmul_uses = [u for u in g.uses if u.kind != "gather"]
+        tag = f"Q{g.bits}"
+        if matmul_uses:
+            mt = layout.to_matmul_nbits(res.blocks, g.bits, res.k, scale_dtype, flat=not has_gather)
+            b_name = f"{weight}_{tag}"
+            s_name = f"{weight}_scales"
+            z_name = f"{weight}_zero_points" if mt.zero_points is not None else ""
+            self._add(b_name, mt.b)
+            self._add(s_name, mt.scales)
+            if z_name:
+                self._add(z_name, mt.zero_points)
+            for u in matmul_uses:
+                self._matmul(u, mt, b_name, s_name, z_name)
+        if has_gather:
+            hidden = res.k
+            gt_attrs = {"bits": g.bits, "block_size": g.block_size, "gather_axis": 0, "quantize_axis": 1}
+            if matmul_uses:
+                # tied: one B tensor; the Gather reads it through a Reshape (same bytes)
+                rows = res.blocks.q.shape[0]
+                shape_name = f"{weight}_gather_shape"
+                data_name = f"{weight}_{tag}_gather"
+                self._add(shape_name, np.array([rows, hidden * g.bits // 8], np.int64))
+                reshape = helper.make_node(
+                    "Reshape", [b_name, shape_name], [data_name], name=f"{weight}_{tag}_Reshape"
+                )
+                gs_name, gz_name = s_name, z_name
+                pre = [reshape]
+            else:
+                gt = layout.to_gather_block_quantized(res.blocks, g.bits, hidden, scale_dtype)
+                data_name = f"{weight}_{tag}"
+                gs_name = f"{weight}_scales"
+                gz_name = f"{weight}_zero_points" if gt.zero_points is not None else ""
+                self._add(data_name, gt.data)
+                self._add(gs_name, gt.scales)
+                if gz_name:
+                    self._add(gz_name, gt.zero_points)
+                pre = []
+            for i, u in enumerate(u for u in g.uses if u.kind == "gather"):
+                inputs = [data_name, u.node.input[1], gs_name] + ([gz_name] if gz_name else [])
+                node = helper.make_node(
+                    "GatherBlockQuantized", inputs, list(u.node.output),
+                    name=f"{u.node.name or weight}_{tag}", domain=MS_DOMAIN, **gt_attrs,
+                )
+                self.replace[id(u.node)] = ([*pre] if i == 0 else []) + [node]
+
+    def _add(self, name: str, array: np.ndarray) -> None:
+        self.new_inits.append(self.model.make_tensor(name, array))
+
+    def _matmul(self, u: Use, mt: layout.MatMulNBitsTensors, b: str, s: str, z: str) -> None:
+        node = u.node
+        out = node.output[0]
+        inputs = [node.input[0], b, s] + ([z] if z else [])
+        new_nodes = []
+        gemm_bias = node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]
+        mm_out = f"{out}_MatMulNBits" if gemm_bias else out
+        new_nodes.append(helper.make_node(
+            "MatMulNBits", inputs, [mm_out], name=f"{node.name or out}_Q{mt.bits}", domain=MS_DOMAIN,
+            **mt.attributes(self.accuracy_level),
+        ))
+        if gemm_bias:
+            new_nodes.append(helper.make_node("Add", [mm_out, node.input[2]], [out], name=f"{node.name}_bias"))
+        self.replace[id(node)] = new_nodes
+        if u.transpose is not None:
+            self.drop.add(id(u.transpose))
+
+    def finish(self) -> None:
+        """Swap nodes in place (keeping topological order) and drop orphaned initializers."""
+        nodes = []
+        for node in self.graph.node:
+            if id(node) in self.drop:
+                continue
+            nodes.extend(self.replace.get(id(node), [node]))
+        new = [onnx.NodeProto() for _ in nodes]
+        for dst, src in zip(new, nodes, strict=True):
+            dst.CopyFrom(src)
+        del self.graph.node[:]
+        self.graph.node.extend(new)
+        self.graph.initializer.extend(self.new_inits)
+        self.model.remove_unused_initializers()
+        self.model.modified = True
+
+
+# -- the pass -------------------------------------------------------------------------------------------
+@dataclass
+class Report:
+    quantized: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, float] = field(default_factory=dict)  # weight -> relative error
+    input_weight_bytes: int = 0
+    output_weight_bytes: int = 0
+
+
+def quantize_weights(
+    model: OnnxModel, opts: WeightOnlyOptions, solver: BlockSolver, context: PassContext, *,
+    float_zero_points: bool = False, importance: dict[str, np.ndarray] | None = None,
+) -> Report:
+    """Quantize every planned weight of ``model`` in place; tensors are solved in parallel."""
+    p = plan(model, opts)
+    report = Report(skipped=dict(p.skipped))
+    for what, why in p.skipped.items():
+        log.info("not quantized: %s: %s", what, why)
+    if not p.groups:
+        log.warning("no weights to quantize in %s", model.source.name)
+        return report
+    writer = Writer(model, opts.accuracy_level)
+    jobs = max(1, int(context.jobs))
+    lock = threading.Lock()
+
+    def work(group: Group) -> Result:
+        imp = None
+        if importance is not None:
+            imp = importance.get(group.weight)
+        return solve_group(model, group, solver, float_zero_points, imp)
+
+    # bounded in-flight work: at most ``jobs + 1`` tensors solved but not yet written
+    with context.step(len(p.groups), "quantizing") as advance, ThreadPoolExecutor(jobs) as pool:
+        pending: set[Future[Result]] = set()
+        todo = iter(sorted(p.groups, key=lambda g: -_numel(model, g)))
+        done_all = False
+        while pending or not done_all:
+            while not done_all and len(pending) < jobs + 1:
+                group = next(todo, None)
+                if group is None:
+                    done_all = True
+                    break
+                pending.add(pool.submit(work, group))
+            if not pending:
+                break
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                res = fut.result()
+                with lock:
+                    writer.write(res)
+                report.quantized += 1
+                report.errors[res.group.weight] = res.error
+                advance(1)
+    writer.finish()
+    return report
+
+
+def _numel(model: OnnxModel, group: Group) -> int:
+    t = model.initializers()[group.weight]
+    return int(np.prod(t.dims))
+
+
+class WeightOnlyPass(Pass):
+    """Base of the native weight-only passes: subclasses provide :meth:`solver`.
+
+    ``float_zero_points``: whether the algorithm's optimum is a float offset (HQQ, k-quant).
+    Subclasses may extend :class:`WeightOnlyOptions` with their own fields.
+    """
+
+    model_kinds: ClassVar[tuple[str, ...]] = ("onnx",)
+    precisions: ClassVar[tuple[str, ...]] = ("int4", "int8")
+    Options: ClassVar[type] = WeightOnlyOptions
+
+    def solver(self) -> BlockSolver:
+        raise NotImplementedError
+
+    def float_zero_points(self) -> bool:
+        return bool(getattr(self.options, "float_zero_points", False))
+
+    def run(self, model: Any, context: PassContext) -> Any:
+        if not isinstance(model, OnnxModel):
+            raise QuantizationError(f"{self.name} quantizes ONNX models, got {model.kind}")
+        report = quantize_weights(
+            model, self.options, self.solver(), context, float_zero_points=self.float_zero_points()
+        )
+        context.extras.setdefault("reports", []).append((self.name, model.source, report))
+        if report.errors:
+            worst = max(report.errors.items(), key=lambda kv: kv[1])
+            log.info(
+                "%s: quantized %d weights, skipped %d; worst relative error %.4f (%s)",
+                self.name, report.quantized, len(report.skipped), worst[1], worst[0],
+            )
+        return model
+
+
+__all__ = [
+    "Group",
+    "Plan",
+    "Report",
+    "WeightOnlyOptions",
+    "WeightOnlyPass",
+    "is_external",
+    "plan",
+    "quantize_weights",
+]
+Callable  # re-exported type for plugin authors' annotations

@@ -1,0 +1,163 @@
+"""The Pass contract: what every quantization pass declares and implements.
+
+A pass is a class. Its class attributes are the metadata the host uses to list it and to
+pick it for ``bitpress quantize --algorithm A --precision P``; ``run`` does the work::
+
+    class MyPass(Pass):
+        name = "mypass"
+        algorithms = ("myalgo",)
+        precisions = ("int4", "int8")
+        model_kinds = ("onnx",)
+        needs_data = False
+        Options = MyOptions          # a dataclass, see bitpress.options
+
+        def run(self, model, context):
+            ...                       # modify or replace the model handle
+            return model
+
+Native weight-only algorithms do not subclass this directly: they subclass
+:class:`bitpress.onnx.weightonly.WeightOnlyPass` and supply a block solver.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from bitpress.errors import OptionError
+from bitpress.options import NoOptions, parse_options
+
+if TYPE_CHECKING:
+    from bitpress.models.base import ModelHandle
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
+
+
+def _no_progress(iterable: Iterable[Any], **_: Any) -> Iterable[Any]:
+    return iterable
+
+
+@dataclass
+class PassContext:
+    """What the host hands a pass besides the model.
+
+    jobs: worker threads for per-tensor work. progress: wraps an iterable with a progress bar
+    (the CLI installs tqdm; the library default shows nothing). workdir: a scratch folder on
+    the output's file system, removed after the run. data: calibration data settings, for
+    passes that need data.
+    """
+
+    jobs: int = field(default_factory=lambda: os.cpu_count() or 1)
+    workdir: Path | None = None
+    data: dict[str, Any] | None = None
+    progress: Callable[..., Iterable[Any]] = _no_progress
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @contextmanager
+    def step(self, total: int, desc: str) -> Iterator[Callable[[int], None]]:
+        """A progress counter for ``total`` units of work: ``advance(n)`` after each."""
+        bar = self.progress(None, total=total, desc=desc)
+        update = getattr(bar, "update", None)
+        try:
+            yield (update if update is not None else (lambda n=1: None))
+        finally:
+            close = getattr(bar, "close", None)
+            if close is not None:
+                close()
+
+
+class Pass(ABC):
+    """Base class of every pass. Subclasses set the class attributes and ``run``."""
+
+    name: ClassVar[str]
+    algorithms: ClassVar[tuple[str, ...]] = ()
+    precisions: ClassVar[tuple[str, ...]] = ()
+    model_kinds: ClassVar[tuple[str, ...]] = ("onnx",)
+    needs_data: ClassVar[bool] = False
+    Options: ClassVar[type] = NoOptions
+    summary: ClassVar[str] = ""
+    #: importable modules the pass needs at run time (checked without importing them)
+    requires: ClassVar[tuple[str, ...]] = ()
+    #: what to run to get the requirements, shown when they are missing
+    install_hint: ClassVar[str | None] = None
+    #: set by the host: the plugin that registered the class
+    plugin: ClassVar[str] = "?"
+
+    def __init__(self, options: Any | None = None) -> None:
+        self.options = options if options is not None else self.Options()
+
+    @classmethod
+    def from_config(cls, values: dict[str, Any] | None, precision: str | None = None) -> Pass:
+        """Validate user options (and a precision) and build the pass; no work is done."""
+        values = dict(values or {})
+        if precision is not None:
+            for key, value in cls.precision_options(precision).items():
+                if key in values and str(values[key]) != str(value):
+                    raise OptionError(
+                        f"{cls.name}: option {key}={values[key]} contradicts --precision {precision}"
+                    )
+                values[key] = value
+        return cls(parse_options(cls.Options, values, owner=cls.name))
+
+    @classmethod
+    def precision_options(cls, precision: str) -> dict[str, Any]:
+        """Options implied by a precision name. Default: ``intN``/``uintN`` sets ``bits``."""
+        if precision not in cls.precisions:
+            raise OptionError(
+                f"{cls.name}: precision {precision!r} is not supported; "
+                f"choose one of {', '.join(cls.precisions)}"
+            )
+        names = {f.name for f in fields(cls.Options)}
+        m = re.fullmatch(r"u?int(\d+)", precision)
+        if m and "bits" in names:
+            return {"bits": int(m.group(1))}
+        if "precision" in names:
+            return {"precision": precision}
+        return {}
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """``None`` when the pass can run here, else why not and how to fix it."""
+        missing = [m for m in cls.requires if not _importable(m)]
+        if not missing:
+            return None
+        hint = f"; install it with: {cls.install_hint}" if cls.install_hint else ""
+        return f"missing Python module(s) {', '.join(missing)}{hint}"
+
+    @abstractmethod
+    def run(self, model: ModelHandle, context: PassContext) -> ModelHandle:
+        """Transform ``model``. Never write next to the input: the host saves the result."""
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_pass_class(cls: Any) -> None:
+    """Raise TypeError if ``cls`` does not honour the contract (checked at registration)."""
+    if not (isinstance(cls, type) and issubclass(cls, Pass)):
+        raise TypeError(f"{cls!r} is not a bitpress.passes.Pass subclass")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise TypeError(f"{cls.__name__}.name must be a lowercase identifier, got {name!r}")
+    for attr in ("algorithms", "precisions", "model_kinds"):
+        value = getattr(cls, attr)
+        if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+            raise TypeError(f"{cls.__name__}.{attr} must be a tuple of strings")
+    try:
+        cls.Options()
+    except TypeError as exc:
+        raise TypeError(f"{cls.__name__}.Options needs defaults for every field: {exc}") from None

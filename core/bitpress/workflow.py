@@ -1,0 +1,297 @@
+"""Run a workflow: input model -> ordered passes -> output, written atomically.
+
+The output is assembled in a private temporary folder next to its final place and moved
+there only when every pass, save and check has succeeded, so a failed or interrupted run
+leaves nothing behind. The input is only ever read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bitpress.errors import ConfigError, OutputError, UsageError
+from bitpress.models.base import ModelHandle
+from bitpress.models.onnx_model import OnnxModel
+from bitpress.models.package import OnnxPackage
+from bitpress.onnx.save import SaveOptions
+from bitpress.passes import Pass, PassContext
+from bitpress.plugins import Registry, get_registry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PassStep:
+    """One configured pass: a pass instance and where it came from in the config."""
+
+    pass_: Pass
+    label: str
+
+
+@dataclass
+class Workflow:
+    input: Path
+    output: Path
+    steps: list[PassStep]
+    components: list[str] | None = None
+    jobs: int | None = None
+    overwrite: bool = False
+    save: SaveOptions = field(default_factory=SaveOptions)
+
+
+@dataclass
+class RunResult:
+    output: Path
+    files: list[Path]
+    seconds: dict[str, float]
+    input_bytes: int
+    output_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "output": str(self.output),
+            "files": [str(f) for f in self.files],
+            "seconds": self.seconds,
+            "input_bytes": self.input_bytes,
+            "output_bytes": self.output_bytes,
+        }
+
+
+# -- building a workflow from a config --------------------------------------------------------
+def load_config(path: Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid JSON/YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config must be a mapping")
+    base = path.parent
+    for key in ("input", "output"):
+        if isinstance(data.get(key), str) and not Path(data[key]).is_absolute():
+            data[key] = str(base / data[key])
+    return data
+
+
+_TOP_KEYS = {"input", "output", "passes", "components", "jobs", "overwrite", "save",
+             "input_model", "output_dir"}
+
+
+def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> Workflow:
+    """Validate a config (dict) and build every pass; fails before any work is done."""
+    registry = registry or get_registry()
+    unknown = sorted(set(config) - _TOP_KEYS)
+    if unknown:
+        valid = ", ".join(sorted(_TOP_KEYS - {"input_model", "output_dir"}))
+        raise ConfigError(f"unknown config key(s) {', '.join(unknown)}; valid: {valid}")
+    src = config.get("input")
+    if src is None and isinstance(config.get("input_model"), dict):  # Olive-style
+        src = config["input_model"].get("model_path")
+    dst = config.get("output", config.get("output_dir"))
+    if not src or not dst:
+        raise ConfigError("the config needs 'input' (a model) and 'output' (where to write it)")
+    raw_passes = config.get("passes") or []
+    if isinstance(raw_passes, dict):  # Olive-style {"name": {"type": ..., ...}}
+        raw_passes = [dict(v, _label=k) for k, v in raw_passes.items()]
+    if not isinstance(raw_passes, list) or not raw_passes:
+        raise ConfigError("the config needs a non-empty 'passes' list")
+    steps = []
+    for i, entry in enumerate(raw_passes):
+        if not isinstance(entry, dict) or "type" not in entry:
+            raise ConfigError(f"passes[{i}] must be a mapping with a 'type' (a pass name)")
+        entry = dict(entry)
+        label = str(entry.pop("_label", f"passes[{i}]"))
+        kind = str(entry.pop("type"))
+        precision = entry.pop("precision", None)
+        options = entry.pop("options", {}) or {}
+        if not isinstance(options, dict):
+            raise ConfigError(f"{label}: 'options' must be a mapping")
+        options = {**entry, **options}
+        cls = _resolve_pass(registry, kind, precision)
+        steps.append(PassStep(cls.from_config(options, precision), label))
+    save = config.get("save") or {}
+    try:
+        save_opts = SaveOptions(**save)
+    except TypeError as exc:
+        raise ConfigError(f"save: {exc}; valid keys: external_data, max_shard_size, check") from None
+    comps = config.get("components")
+    if isinstance(comps, str):
+        comps = [comps]
+    return Workflow(
+        input=Path(src), output=Path(dst), steps=steps, components=comps,
+        jobs=config.get("jobs"), overwrite=bool(config.get("overwrite", False)), save=save_opts,
+    )
+
+
+def _resolve_pass(registry: Registry, kind: str, precision: str | None) -> type[Pass]:
+    if kind in registry.passes:
+        return registry.get_pass(kind)
+    # accept Olive pass type names mapped by plugins, then algorithm names
+    for cls in registry.passes.values():
+        if kind in getattr(cls, "aliases", ()):
+            return registry.get_pass(cls.name)
+    return registry.select(kind, precision, "onnx")
+
+
+# -- running ------------------------------------------------------------------------------------
+def run_workflow(
+    wf: Workflow, registry: Registry | None = None, *, progress: Any = None
+) -> RunResult:
+    registry = registry or get_registry()
+    src = wf.input
+    if not src.exists():
+        from bitpress.errors import ModelLoadError
+
+        raise ModelLoadError(f"model not found: {src}")
+    folder_out = src.is_dir() or wf.output.suffix.lower() != ".onnx"
+    _check_output(src, wf.output, folder_out, wf.overwrite)
+
+    model = registry.hook.bitpress_load_model(source=src, options={})
+    if model is None:
+        raise UsageError(f"no plugin can load {src}")
+    for step in wf.steps:
+        kinds = step.pass_.model_kinds
+        target_kind = "onnx" if isinstance(model, OnnxPackage) else model.kind
+        if target_kind not in kinds:
+            raise UsageError(f"{step.label}: pass {step.pass_.name} does not accept {target_kind} models")
+
+    parent = wf.output.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".{wf.output.name}.bitpress-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    context = PassContext(workdir=tmp / "scratch")
+    if wf.jobs:
+        context.jobs = max(1, int(wf.jobs))
+    if progress is not None:
+        context.progress = progress
+    seconds: dict[str, float] = {}
+    try:
+        payload = tmp / "payload"
+        if isinstance(model, OnnxPackage):
+            files = _run_package(model, wf, registry, context, payload, seconds)
+            staged = payload
+        else:
+            name = wf.output.name if not folder_out else src.name
+            dest = payload / name
+            model = _run_passes(model, wf, registry, context, seconds)
+            t0 = time.perf_counter()
+            files = _save(registry, model, dest, wf.save)
+            seconds["save"] = time.perf_counter() - t0
+            staged = payload if folder_out else dest
+        final_files = _move_into_place(staged, wf.output, folder_out, files, tmp)
+    finally:
+        if isinstance(model, OnnxModel):
+            model.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    in_bytes = _size_of(src)
+    out_bytes = sum(f.stat().st_size for f in final_files if f.is_file())
+    return RunResult(wf.output, final_files, seconds, in_bytes, out_bytes)
+
+
+def _run_passes(
+    model: ModelHandle, wf: Workflow, registry: Registry, context: PassContext, seconds: dict[str, float],
+    prefix: str = "",
+) -> ModelHandle:
+    for step in wf.steps:
+        if isinstance(model, OnnxModel):
+            model.use_workdir(context.workdir)
+        t0 = time.perf_counter()
+        log.info("running %s (%s)%s", step.pass_.name, step.label, f" on {prefix}" if prefix else "")
+        result = registry.hook.bitpress_run_pass(pass_=step.pass_, model=model, context=context)
+        if result is None:
+            raise UsageError(f"{step.label}: no plugin ran pass {step.pass_.name}")
+        model = result
+        key = f"{prefix}{step.pass_.name}"
+        seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t0
+    return model
+
+
+def _run_package(
+    package: OnnxPackage, wf: Workflow, registry: Registry, context: PassContext, payload: Path,
+    seconds: dict[str, float],
+) -> list[Path]:
+    chosen = package.select(wf.components)
+    files: list[Path] = []
+    for rel in chosen:
+        model = package.component(rel)
+        model = _run_passes(model, wf, registry, context, seconds, prefix=f"{rel}:")
+        t0 = time.perf_counter()
+        files += _save(registry, model, payload / rel, wf.save)
+        seconds[f"{rel}:save"] = time.perf_counter() - t0
+        if isinstance(model, OnnxModel):
+            model.close()
+    written = {f.resolve() for f in files}
+    for src in package.companion_files(chosen):
+        dst = payload / src.relative_to(package.root)
+        if dst.resolve() in written:
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst)
+        files.append(dst)
+    return files
+
+
+def _save(registry: Registry, model: ModelHandle, dest: Path, save: SaveOptions) -> list[Path]:
+    opts = {"external_data": save.external_data, "max_shard_size": save.max_shard_size, "check": save.check}
+    files = registry.hook.bitpress_save_model(model=model, destination=dest, options=opts)
+    if files is None:
+        raise UsageError(f"no plugin can save a {model.kind} model")
+    return [Path(f) for f in files]
+
+
+def _check_output(src: Path, out: Path, folder_out: bool, overwrite: bool) -> None:
+    src_r, out_r = src.resolve(), out.resolve()
+    if src_r == out_r:
+        raise OutputError(f"the output {out} is the input; choose another output path")
+    if src.is_dir():
+        if out_r.is_relative_to(src_r) or src_r.is_relative_to(out_r):
+            raise OutputError(f"the output {out} overlaps the input folder {src}; choose a separate folder")
+    else:
+        target = out_r / src.name if folder_out else out_r
+        inputs = {src_r} | {p.resolve() for p in src.parent.glob(src.name + ".data*")}
+        data_out = {target} | {target.with_name(target.name + ".data")}
+        if inputs & data_out or (folder_out and out_r == src_r.parent):
+            raise OutputError(
+                f"the output {out} would overwrite the input model or its data; choose another path"
+            )
+    if out.exists() and not overwrite:
+        if out.is_dir() and not any(out.iterdir()):
+            return
+        raise OutputError(f"the output {out} already exists; remove it or pass --overwrite")
+
+
+def _move_into_place(staged: Path, out: Path, folder_out: bool, files: list[Path], tmp: Path) -> list[Path]:
+    if folder_out:
+        if out.exists():
+            old = tmp / "previous"
+            os.replace(out, old)  # the old output stays whole until the new one is in place
+        os.replace(staged, out)
+        return [out / f.relative_to(staged) for f in files]
+    # a single .onnx: move its data files first, the model last
+    final = []
+    for stale in out.parent.glob(out.name + ".data*"):
+        stale.unlink()
+    for f in sorted(files, key=lambda p: p.suffix == ".onnx"):
+        dst = out.with_name(f.name)
+        os.replace(f, dst)
+        final.append(dst)
+    return final
+
+
+def _size_of(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size + sum(p.stat().st_size for p in path.parent.glob(path.name + ".data*"))

@@ -1,0 +1,364 @@
+"""The k-quant block solver: llama.cpp's ``make_qkx2_quants`` search, vectorized with numpy.
+
+For each block the solver sweeps ``nstep + 1`` candidate inverse scales around the min/max fit,
+rounds the block at each, solves the weighted least-squares problem for the best ``(scale, min)``
+in closed form and keeps the candidate with the lowest weighted squared error. The per-element
+weights follow llama.cpp's Q4_K: ``|x| + rms(block)`` without an importance vector, and
+``importance * sqrt(2 * mean(x^2) + x^2)`` with one (llama.cpp's ``quantize_row_q4_K_impl``
+takes ``sigma2`` over a 256-element super-block; here the block is the only grouping there is).
+After the sweep the block is re-rounded to the chosen grid and the pair re-fitted once; both
+steps can only lower the weighted error.
+
+Three output flavours, chosen by the :class:`BlockSpec`:
+
+* ``float_zero_points``: llama.cpp's representation. ``zero_point = -min / scale`` as float32,
+  so the fitted ``min`` survives exactly.
+* integer zero points: the same sweep, but each candidate rounds its zero point to an integer
+  in ``[0, 2**bits)`` and fits the scale alone for it (a 1-D least-squares problem).
+* ``symmetric``: llama.cpp's ``make_qx_quants`` idea. The element of largest magnitude is
+  mapped to the lowest level ``-2**(bits-1)``, which uses both ends of the asymmetric integer
+  range; the sweep picks the scale, which therefore may be negative.
+
+Every step is vectorized over all blocks of a chunk of rows and loops only over candidates.
+Chunks are laid out ``[block_size, n_blocks]`` so the per-block reductions run over the slow
+axis (contiguous SIMD adds), and are bounded (``_CHUNK_ELEMS``) so a 4096x11008 matrix costs a
+few MiB of scratch per worker thread. numpy releases the GIL in its loops, so chunks run on a
+small thread pool.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from bitpress.quant.solver import BlockSpec, QuantizedBlocks
+
+__all__ = ["bits_per_weight", "kquant_solver"]
+
+# ~128K elements (512 KiB per float32 array) keeps a chunk's working set in a core's L2.
+_CHUNK_ELEMS = 1 << 17
+# A candidate whose 2x2 system is this close to singular (all levels nearly equal, the
+# determinant lost in float32 round-off) is skipped rather than trusted.
+_REL_DET_EPS = 1e-5
+# Rounds of re-rounding + re-fitting after the sweep (each one a full pass over the block).
+_POLISH_ITERS = 1
+# Bit widths from which the search runs in float64 (see kquant_solver).
+_F64_FROM_BITS = 6
+
+
+def bits_per_weight(spec: BlockSpec, scale_bytes: int = 2) -> float:
+    """Storage cost per weight: the codes, one scale per block and its zero point, if any.
+
+    Float zero points are stored like the scales (``scale_bytes`` each); integer zero points
+    are packed at ``bits`` bits, as ``MatMulNBits`` stores them.
+    """
+    per_block = 8.0 * scale_bytes
+    if not spec.symmetric:
+        per_block += 8.0 * scale_bytes if spec.float_zero_points else spec.bits
+    return spec.bits + per_block / spec.block_size
+
+
+def kquant_solver(
+    w: np.ndarray,
+    spec: BlockSpec,
+    importance: np.ndarray | None = None,
+    *,
+    nstep: int = 20,
+    rmin: float = -1.0,
+    rdelta: float = 0.1,
+) -> QuantizedBlocks:
+    """Quantize ``w`` (``[rows, n_blocks, block_size]``) block by block with the k-quant search.
+
+    The defaults (``nstep=20, rmin=-1, rdelta=0.1``) are llama.cpp's for Q4_K without an
+    imatrix (``make_qkx2_quants``; Q5_K uses ``15, -0.5, 0.1``, the imatrix path's
+    ``make_qkx3_quants`` uses ``36, -0.9, 0.05``). Candidate ``c`` rounds with the inverse
+    scale ``(nmax + rmin + rdelta * c) / (max - min)``. ``nstep < 1`` skips the sweep.
+    ``importance`` is per input channel, ``[n_blocks * block_size]``. ``w`` is not modified.
+    """
+    if w.ndim != 3:
+        raise ValueError(f"w must be [rows, n_blocks, block_size], got shape {w.shape}")
+    if not np.issubdtype(w.dtype, np.floating):
+        raise ValueError(f"w must be a float array, got {w.dtype}")
+    rows, n_blocks, block_size = w.shape
+    if not 2 <= spec.bits <= 8:
+        raise ValueError(f"bits must be in 2..8, got {spec.bits}")
+    if spec.block_size != block_size:
+        raise ValueError(f"spec.block_size={spec.block_size} but w has blocks of {block_size}")
+    if block_size < 2:
+        raise ValueError(f"block_size must be at least 2, got {block_size}")
+    if nstep < 0:
+        raise ValueError(f"nstep must be >= 0, got {nstep}")
+    imp = _check_importance(importance, n_blocks, block_size)
+
+    q = np.empty((rows, n_blocks, block_size), dtype=np.uint8)
+    scales = np.empty((rows, n_blocks), dtype=np.float32)
+    zero_points: np.ndarray | None = None
+    if not spec.symmetric:
+        zp_dtype = np.float32 if spec.float_zero_points else np.uint8
+        zero_points = np.empty((rows, n_blocks), dtype=zp_dtype)
+    if rows == 0 or n_blocks == 0:
+        return QuantizedBlocks(q=q, scales=scales, zero_points=zero_points)
+
+    # Candidate multipliers of the normalized block; all blocks share them.
+    nmax = 2 ** (spec.bits - 1) if spec.symmetric else 2**spec.bits - 1
+    mults = [nmax + rmin + rdelta * c for c in range(nstep + 1)] if nstep >= 1 else []
+    mults = [a for a in mults if a > 0]
+
+    # float32 sums leave ~1e-6 relative noise in the closed-form errors: fine next to 4-bit
+    # error, but as large as the differences between candidates at 6+ bits.
+    work = np.float32 if spec.bits < _F64_FROM_BITS else np.float64
+    rows_per_chunk = max(1, _CHUNK_ELEMS // (n_blocks * block_size))
+    # Importance laid out like a chunk: column r * n_blocks + b holds block b's channels.
+    imp_tiled = None if imp is None else np.tile(imp.T, (1, rows_per_chunk)).astype(work)
+
+    def run(r0: int) -> None:
+        r1 = min(rows, r0 + rows_per_chunk)
+        # The transposed copy is the only thing written; ``w`` stays untouched.
+        x = np.ascontiguousarray(w[r0:r1].reshape(-1, block_size).T, dtype=work)
+        if not np.isfinite(x).all():
+            raise ValueError(f"w has non-finite values in rows {r0}..{r1 - 1}")
+        wt = _weights(x, None if imp_tiled is None else imp_tiled[:, : x.shape[1]])
+        if spec.symmetric:
+            codes, s = _solve_symmetric(x, wt, nmax, mults)
+        elif spec.float_zero_points:
+            codes, s, zp = _solve_float_min(x, wt, nmax, mults)
+            zero_points[r0:r1] = zp.reshape(r1 - r0, n_blocks)  # type: ignore[index]
+        else:
+            codes, s, zp = _solve_int_zero(x, wt, nmax, mults)
+            zero_points[r0:r1] = zp.reshape(r1 - r0, n_blocks)  # type: ignore[index]
+        scales[r0:r1] = s.reshape(r1 - r0, n_blocks)
+        np.copyto(q[r0:r1].reshape(-1, block_size), codes.T, casting="unsafe")
+
+    starts = range(0, rows, rows_per_chunk)
+    workers = min(len(starts), os.cpu_count() or 1)
+    if workers <= 1:
+        for r0 in starts:
+            run(r0)
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for fut in [pool.submit(run, r0) for r0 in starts]:
+                fut.result()
+    return QuantizedBlocks(q=q, scales=scales, zero_points=zero_points)
+
+
+def _check_importance(
+    importance: np.ndarray | None, n_blocks: int, block_size: int
+) -> np.ndarray | None:
+    if importance is None:
+        return None
+    imp = np.asarray(importance, dtype=np.float64)
+    if imp.shape != (n_blocks * block_size,):
+        raise ValueError(
+            f"importance must be [{n_blocks * block_size}] (one per input channel), "
+            f"got shape {imp.shape}"
+        )
+    if not np.isfinite(imp).all() or (imp < 0).any():
+        raise ValueError("importance must be finite and non-negative")
+    return imp.reshape(n_blocks, block_size)
+
+
+def _weights(x: np.ndarray, imp: np.ndarray | None) -> np.ndarray:
+    """Per-element error weights for blocks laid out ``[block_size, n]``."""
+    x2 = np.square(x)
+    if imp is None:
+        # llama.cpp Q4_K: large weights matter more, the block's rms keeps small ones in play.
+        return np.abs(x) + np.sqrt(x2.mean(axis=0))
+    x2 += 2.0 * x2.mean(axis=0)  # sigma2: an importance-scaled floor for small weights
+    np.sqrt(x2, out=x2)
+    x2 *= imp
+    return x2
+
+
+def _inv(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``1 / a`` where ``a != 0``, else 0 (a zero scale maps every element to level 0)."""
+    nz = a != 0
+    return np.where(nz, 1.0 / np.where(nz, a, 1.0), 0.0).astype(dtype)
+
+
+def _levels(
+    y: np.ndarray,
+    mult: float,
+    lo: float | np.ndarray | None,
+    hi: float | np.ndarray | None,
+    out: np.ndarray,
+) -> np.ndarray:
+    """``clip(rint(y * mult), lo, hi)`` into ``out``; ``None`` skips a clip the data can't hit."""
+    np.multiply(y, mult, out=out)
+    np.rint(out, out=out)
+    if lo is not None:
+        np.maximum(out, lo, out=out)
+    if hi is not None:
+        np.minimum(out, hi, out=out)
+    return out
+
+
+def _wsum(*arrays: np.ndarray) -> np.ndarray:
+    """Per-block (column) sum of the elementwise product, as float64 for the 2x2 algebra."""
+    spec = ",".join(["sn"] * len(arrays)) + "->n"
+    return np.einsum(spec, *arrays).astype(np.float64)
+
+
+def _fit_scale_min(
+    sw: np.ndarray, swx: np.ndarray, w: np.ndarray, wx: np.ndarray, lv: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Weighted least squares for ``x ~ scale * l + min`` with ``min <= 0``, per block.
+
+    Returns ``scale, min``, the weighted error less the constant ``sum(w*x*x)``, and whether
+    the fit is usable (a non-singular system and a positive scale).
+    """
+    sl, sl2, sxl = _wsum(w, lv), _wsum(w, lv, lv), _wsum(wx, lv)
+    det = sw * sl2 - sl * sl
+    ok = det > _REL_DET_EPS * sw * sl2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        safe = np.where(ok, det, 1.0)
+        scale = (sw * sxl - swx * sl) / safe
+        mn = (sl2 * swx - sl * sxl) / safe
+        # The free optimum would leave 0 off the grid; the best with min = 0 instead.
+        pos = mn > 0
+        mn[pos] = 0.0
+        scale[pos] = (sxl / np.where(sl2 > 0, sl2, 1.0))[pos]
+        err = scale * (scale * sl2 - 2.0 * sxl + 2.0 * mn * sl) + mn * (mn * sw - 2.0 * swx)
+    ok &= (scale > 0) & np.isfinite(err)
+    return scale, mn, err, ok
+
+
+def _solve_float_min(
+    x: np.ndarray, w: np.ndarray, nmax: int, mults: list[float]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """make_qkx2_quants over every column of ``x`` (``[block_size, n]``): codes, scale, zp."""
+    dt = x.dtype
+    xmin = np.minimum(x.min(axis=0), 0.0)  # llama.cpp: min <= 0, so 0 stays representable
+    rng = x.max(axis=0) - xmin
+    flat = ~(rng > 0)
+    y = (x - xmin) * _inv(rng, dt)  # every block normalized to [0, 1]
+    wx = w * x
+    sw = w.sum(axis=0, dtype=np.float64)
+    swx = wx.sum(axis=0, dtype=np.float64)
+
+    # The plain min/max grid: llama.cpp's starting point, kept where no candidate fits.
+    best_s = rng.astype(np.float64) / nmax
+    best_m = xmin.astype(np.float64)
+    best_err = np.full(x.shape[1], np.inf)
+    lv = np.empty_like(x)
+    for mult in mults:
+        # y * mult >= 0; only multipliers past nmax + 0.5 can round above nmax.
+        _levels(y, mult, None, nmax if mult > nmax + 0.5 else None, lv)
+        scale, mn, err, ok = _fit_scale_min(sw, swx, w, wx, lv)
+        better = ok & (err < best_err)
+        best_s[better] = scale[better]
+        best_m[better] = mn[better]
+        best_err[better] = err[better]
+
+    # Polish: round every element to its nearest level on the chosen grid, then re-fit the
+    # pair for those codes. Neither step can raise the weighted error.
+    def round_to() -> np.ndarray:
+        return _levels((x - best_m.astype(dt)) * _inv(best_s, dt), 1.0, 0.0, nmax, lv)
+
+    for _ in range(_POLISH_ITERS):
+        scale, mn, _, ok = _fit_scale_min(sw, swx, w, wx, round_to())
+        ok &= ~flat
+        best_s[ok] = scale[ok]
+        best_m[ok] = mn[ok]
+    round_to()
+
+    # A flat block is a constant v <= 0: level 0 with zero point 1 gives (0 - 1) * -v = v.
+    best_s[flat] = -xmin[flat]
+    lv[:, flat] = 0.0
+    zp = -best_m * _inv(best_s, np.float64)
+    zp[flat] = np.where(xmin[flat] < 0, 1.0, 0.0)
+    return lv, best_s, zp
+
+
+def _solve_int_zero(
+    x: np.ndarray, w: np.ndarray, nmax: int, mults: list[float]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The sweep with each candidate's zero point rounded to an integer; the scale is fitted.
+
+    Works with ``d = code - zero_point`` so the sums need no cancelling correction terms.
+    """
+    dt = x.dtype
+    # An integer zero point must land in [0, nmax], so the range covers 0 from both sides.
+    xmin = np.minimum(x.min(axis=0), 0.0).astype(np.float64)
+    rng = np.maximum(x.max(axis=0), 0.0) - xmin
+    flat = ~(rng > 0)
+    rng_safe = np.where(flat, 1.0, rng)
+    wx = w * x
+    d = np.empty_like(x)
+
+    def round_to(s: np.ndarray, zp: np.ndarray) -> np.ndarray:
+        return _levels(x * _inv(s, dt), 1.0, (-zp).astype(dt), (nmax - zp).astype(dt), d)
+
+    def fit(d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # x ~ s * d: s = sum(w x d) / sum(w d^2); the error is sum(w x^2) - s * sum(w x d).
+        den, num = _wsum(w, d, d), _wsum(wx, d)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            s = num / np.where(den > 0, den, 1.0)
+        return s, s * num, (den > 0) & (s > 0) & np.isfinite(s)
+
+    best_s = rng / nmax
+    best_z = np.clip(np.rint(-xmin / rng_safe * nmax), 0, nmax)
+    best_gain = np.full(x.shape[1], -np.inf)
+    for mult in mults:
+        z_c = np.clip(np.rint(-xmin / rng_safe * mult), 0, nmax)
+        s, gain, ok = fit(round_to(rng / mult, z_c))
+        better = ok & (gain > best_gain)
+        best_s[better] = s[better]
+        best_z[better] = z_c[better]
+        best_gain[better] = gain[better]
+
+    # Polish with the zero point fixed: re-round, re-fit the scale.
+    for _ in range(_POLISH_ITERS):
+        s, _, ok = fit(round_to(best_s, best_z))
+        ok &= ~flat
+        best_s[ok] = s[ok]
+    codes = round_to(best_s, best_z)
+    codes += best_z.astype(dt)
+
+    # A flat block is all zero here (its range includes 0).
+    best_s[flat] = 0.0
+    best_z[flat] = 0.0
+    codes[:, flat] = 0.0
+    return codes, best_s, best_z
+
+
+def _solve_symmetric(
+    x: np.ndarray, w: np.ndarray, half: int, mults: list[float]
+) -> tuple[np.ndarray, np.ndarray]:
+    """make_qx_quants-style: levels ``[-half, half)`` around the implied zero point ``half``."""
+    dt = x.dtype
+    n = x.shape[1]
+    vmax = x[np.abs(x).argmax(axis=0), np.arange(n)]  # the signed value of largest magnitude
+    flat = vmax == 0
+    # The extreme element sits at +1, so -mult sends it to the extra level at -half.
+    y = x * _inv(vmax, dt)
+    wx = w * x
+    lv = np.empty_like(x)
+
+    def fit(lv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        den, num = _wsum(w, lv, lv), _wsum(wx, lv)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            s = num / np.where(den > 0, den, 1.0)
+        return s, s * num, (den > 0) & (s != 0) & np.isfinite(s)
+
+    best_s = -vmax.astype(np.float64) / half
+    best_gain = np.full(n, -np.inf)
+    for mult in mults:
+        s, gain, ok = fit(_levels(y, -mult, -half, half - 1, lv))
+        better = ok & (gain > best_gain)
+        best_s[better] = s[better]
+        best_gain[better] = gain[better]
+
+    def round_to() -> np.ndarray:
+        return _levels(x * _inv(best_s, dt), 1.0, -half, half - 1, lv)
+
+    for _ in range(_POLISH_ITERS):
+        s, _, ok = fit(round_to())
+        ok &= ~flat
+        best_s[ok] = s[ok]
+    codes = round_to()
+    best_s[flat] = 0.0
+    codes[:, flat] = 0.0
+    codes += half
+    return codes, best_s

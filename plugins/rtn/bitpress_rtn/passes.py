@@ -1,0 +1,67 @@
+"""The RTN passes: ``rtn`` (MatMulNBits / GatherBlockQuantized) and ``bnb4`` (MatMulBnb4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from bitpress.onnx.weightonly import WeightOnlyOptions, WeightOnlyPass
+from bitpress.options import option
+from bitpress.passes import PassContext
+from bitpress.quant.solver import BlockSolver
+from bitpress_rtn.solver import rtn_solver
+
+
+@dataclass
+class RtnOptions(WeightOnlyOptions):
+    block_size: int = option(128, "weights per block along K: a power of two from 16 to 256")
+    is_symmetric: bool = option(True, "symmetric quantization (no zero points), as ONNX Runtime's default")
+    float_zero_points: bool = option(
+        False, "asymmetric only: store the unrounded zero point as a float (4-bit MatMulNBits)"
+    )
+
+
+class RtnPass(WeightOnlyPass):
+    """Round to nearest, block-wise; matches ONNX Runtime's MatMulNBitsQuantizer bit for bit."""
+
+    name = "rtn"
+    algorithms = ("rtn",)
+    precisions = ("int4", "int8")
+    summary = "round-to-nearest block quantization to MatMulNBits / GatherBlockQuantized"
+    Options: ClassVar[type] = RtnOptions
+    aliases: ClassVar[tuple[str, ...]] = ("OnnxBlockWiseRtnQuantization",)
+
+    def solver(self) -> BlockSolver:
+        return rtn_solver
+
+
+@dataclass
+class Bnb4Options:
+    precision: str = option("nf4", "codebook: nf4 (NormalFloat) or fp4")
+    block_size: int = option(64, "weights per absmax block: a power of two from 16 to 256")
+    nodes_to_include: list[str] = option([], "only these MatMul nodes (names, globs, re:REGEX)")
+    nodes_to_exclude: list[str] = option([], "MatMul nodes left in float")
+
+    def validate(self) -> None:
+        if self.precision not in ("nf4", "fp4"):
+            raise ValueError("precision must be nf4 or fp4")
+        if self.block_size < 16 or self.block_size > 256 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two from 16 to 256, got {self.block_size}")
+
+
+class Bnb4Pass(WeightOnlyPass):
+    """NF4 / FP4 codebook quantization of MatMul weights to ONNX Runtime's MatMulBnb4."""
+
+    name = "bnb4"
+    algorithms = ("nf4", "fp4", "bnb4")
+    precisions = ("nf4", "fp4")
+    summary = "4-bit NormalFloat / FP4 codebooks to com.microsoft MatMulBnb4 (float32 models)"
+    Options: ClassVar[type] = Bnb4Options
+    aliases: ClassVar[tuple[str, ...]] = ("OnnxBnb4Quantization",)
+
+    def run(self, model: Any, context: PassContext) -> Any:
+        from bitpress_rtn.bnb4_writer import quantize_bnb4_model
+
+        report = quantize_bnb4_model(model, self.options, context)
+        context.extras.setdefault("reports", []).append((self.name, model.source, report))
+        return model
