@@ -125,42 +125,73 @@ def _align(offset: int, nbytes: int) -> int:
     return -(-offset // granule) * granule
 
 
-def _materialize(
-    specs: Sequence[_WeightSpec], seed: int, data_path: Path | None
-) -> list[TensorProto]:
-    """TensorProtos for ``specs``; with ``data_path``, big ones streamed into that file."""
-    workers = min(4, os.cpu_count() or 1)
-    window = workers + 1
-    tensors: list[TensorProto] = []
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field_header(message: Any, field_name: str, length: int) -> bytes:
+    """Tag + length of a length-delimited protobuf field, its payload written separately."""
+    number = message.DESCRIPTOR.fields_by_name[field_name].number
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+def _initializer_header(tensor: TensorProto, payload: int) -> bytes:
+    """Bytes that, appended to a serialized ModelProto, add ``tensor`` to its initializers.
+
+    Protobuf merges a repeated occurrence of a message field (``ModelProto.graph``) into the
+    first one and concatenates repeated fields (``GraphProto.initializer``), so each weight
+    can be appended after the graph is written. ``payload`` bytes (the raw data, already
+    framed by the caller) follow the returned header.
+    """
+    body = tensor.SerializeToString()
+    tensor_len = len(body) + payload
+    graph_part = _field_header(onnx.GraphProto(), "initializer", tensor_len)
+    graph_len = len(graph_part) + tensor_len
+    return _field_header(onnx.ModelProto(), "graph", graph_len) + graph_part + body
+
+
+def _write_weights(
+    model_file: BinaryIO, specs: Sequence[_WeightSpec], seed: int, data_path: Path | None
+) -> None:
+    """Append every weight to ``model_file`` (after the serialized model), chunk by chunk.
+
+    With ``data_path``, tensors of 1 KiB and more go to that file and only their references
+    to the model; either way no more than a few chunks are in memory at once.
+    """
+    workers = min(8, os.cpu_count() or 1)
     data: BinaryIO | None = data_path.open("wb") if data_path is not None else None
     try:
         with ThreadPoolExecutor(workers) as pool:
             offset = 0
             for spec in specs:
-                chunks = _iter_chunks(pool, seed, spec, window)
-                if data is None or spec.nbytes < _EXTERNAL_MIN_BYTES:
-                    arr = np.concatenate(list(chunks)) if spec.size else np.empty(0)
-                    arr = arr.astype(spec.np_dtype, copy=False).reshape(spec.shape)
-                    tensors.append(numpy_helper.from_array(arr, spec.name))
-                    continue
-                start = _align(offset, spec.nbytes)
-                data.write(b"\0" * (start - offset))
-                for chunk in chunks:
-                    data.write(memoryview(chunk).cast("B"))
-                offset = start + spec.nbytes
                 t = TensorProto(name=spec.name, dims=spec.shape)
                 t.data_type = _DTYPES[np.dtype(spec.np_dtype).name][1]
-                assert data_path is not None
-                t.data_location = TensorProto.EXTERNAL
-                # relative location: the model keeps working when its folder moves
-                for key, value in (("location", data_path.name), ("offset", start),
-                                   ("length", spec.nbytes)):
-                    t.external_data.add(key=key, value=str(value))
-                tensors.append(t)
+                if data is None or spec.nbytes < _EXTERNAL_MIN_BYTES:
+                    raw = _field_header(t, "raw_data", spec.nbytes)
+                    model_file.write(_initializer_header(t, len(raw) + spec.nbytes) + raw)
+                    out = model_file
+                else:
+                    assert data_path is not None
+                    start = _align(offset, spec.nbytes)
+                    data.write(b"\0" * (start - offset))
+                    offset = start + spec.nbytes
+                    t.data_location = TensorProto.EXTERNAL
+                    # relative location: the model keeps working when its folder moves
+                    for key, value in (("location", data_path.name), ("offset", start),
+                                       ("length", spec.nbytes)):
+                        t.external_data.add(key=key, value=str(value))
+                    model_file.write(_initializer_header(t, 0))
+                    out = data
+                for chunk in _iter_chunks(pool, seed, spec, workers + 1):
+                    out.write(memoryview(chunk).cast("B"))
     finally:
         if data is not None:
             data.close()
-    return tensors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,9 +277,9 @@ class _Graph:
                 "pass external_data=True"
             )
         data_path = path.with_name(path.name + ".data") if external_data else None
-        inits = _materialize(self.weights, seed, data_path)
-        inits.extend(self.consts.values())
-        graph = helper.make_graph(self.nodes, name, inputs, outputs, initializer=inits)
+        graph = helper.make_graph(
+            self.nodes, name, inputs, outputs, initializer=list(self.consts.values())
+        )
         model = helper.make_model(
             graph,
             opset_imports=[helper.make_opsetid("", OPSET)],
@@ -256,8 +287,9 @@ class _Graph:
             producer_name="bitpress.synthetic",
         )
         helper.set_model_props(model, {"bitpress.synthetic": json.dumps(meta, sort_keys=True)})
-        # serialize ourselves: the external tensors already point at their bytes
-        path.write_bytes(model.SerializeToString())
+        with path.open("wb") as f:
+            f.write(model.SerializeToString())
+            _write_weights(f, self.weights, seed, data_path)
         return path
 
 

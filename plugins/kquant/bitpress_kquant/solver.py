@@ -194,21 +194,27 @@ def _levels(
     return out
 
 
-def _wsum(*arrays: np.ndarray) -> np.ndarray:
-    """Per-block (column) sum of the elementwise product, as float64 for the 2x2 algebra."""
-    spec = ",".join(["sn"] * len(arrays)) + "->n"
-    return np.einsum(spec, *arrays).astype(np.float64)
+def _wsum(*arrays: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Per-block (column) sum of the elementwise product of ``[block_size, n]`` arrays."""
+    return np.einsum(",".join(["sn"] * len(arrays)) + "->n", *arrays, out=out)
+
+
+def _pick(score: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per block, the usable candidate (row) with the highest score, and whether there was one."""
+    score = np.where(ok, score, -np.inf)
+    best = score.argmax(axis=0)
+    return best, ok.any(axis=0)
 
 
 def _fit_scale_min(
-    sw: np.ndarray, swx: np.ndarray, w: np.ndarray, wx: np.ndarray, lv: np.ndarray
+    sw: np.ndarray, swx: np.ndarray, sl: np.ndarray, sl2: np.ndarray, sxl: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Weighted least squares for ``x ~ scale * l + min`` with ``min <= 0``, per block.
 
-    Returns ``scale, min``, the weighted error less the constant ``sum(w*x*x)``, and whether
-    the fit is usable (a non-singular system and a positive scale).
+    Takes ``sum(w)``, ``sum(w*x)`` and, per candidate, ``sum(w*l)``, ``sum(w*l*l)``,
+    ``sum(w*x*l)``. Returns ``scale, min``, the weighted error less the constant
+    ``sum(w*x*x)``, and whether the fit is usable (non-singular, positive scale).
     """
-    sl, sl2, sxl = _wsum(w, lv), _wsum(w, lv, lv), _wsum(wx, lv)
     det = sw * sl2 - sl * sl
     ok = det > _REL_DET_EPS * sw * sl2
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -228,7 +234,8 @@ def _solve_float_min(
     x: np.ndarray, w: np.ndarray, nmax: int, mults: list[float]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """make_qkx2_quants over every column of ``x`` (``[block_size, n]``): codes, scale, zp."""
-    dt = x.dtype
+    dt, n = x.dtype, x.shape[1]
+    cols = np.arange(n)
     xmin = np.minimum(x.min(axis=0), 0.0)  # llama.cpp: min <= 0, so 0 stays representable
     rng = x.max(axis=0) - xmin
     flat = ~(rng > 0)
@@ -236,28 +243,37 @@ def _solve_float_min(
     wx = w * x
     sw = w.sum(axis=0, dtype=np.float64)
     swx = wx.sum(axis=0, dtype=np.float64)
+    lv = np.empty_like(x)
+
+    def sums(lv: np.ndarray, out: np.ndarray) -> np.ndarray:
+        _wsum(w, lv, out=out[0])
+        _wsum(w, lv, lv, out=out[1])
+        _wsum(wx, lv, out=out[2])
+        return out
 
     # The plain min/max grid: llama.cpp's starting point, kept where no candidate fits.
     best_s = rng.astype(np.float64) / nmax
     best_m = xmin.astype(np.float64)
-    best_err = np.full(x.shape[1], np.inf)
-    lv = np.empty_like(x)
-    for mult in mults:
-        # y * mult >= 0; only multipliers past nmax + 0.5 can round above nmax.
-        _levels(y, mult, None, nmax if mult > nmax + 0.5 else None, lv)
-        scale, mn, err, ok = _fit_scale_min(sw, swx, w, wx, lv)
-        better = ok & (err < best_err)
-        best_s[better] = scale[better]
-        best_m[better] = mn[better]
-        best_err[better] = err[better]
+    if mults:
+        # Only the O(block_size) work runs per candidate; the 2x2 algebra runs once on all.
+        acc = np.empty((len(mults), 3, n), dtype=dt)
+        for c, mult in enumerate(mults):
+            # y * mult >= 0; only multipliers past nmax + 0.5 can round above nmax.
+            sums(_levels(y, mult, None, nmax if mult > nmax + 0.5 else None, lv), acc[c])
+        acc64 = acc.astype(np.float64).transpose(1, 0, 2)
+        scale, mn, err, ok = _fit_scale_min(sw, swx, *acc64)
+        k, found = _pick(-err, ok)
+        best_s = np.where(found, scale[k, cols], best_s)
+        best_m = np.where(found, mn[k, cols], best_m)
 
     # Polish: round every element to its nearest level on the chosen grid, then re-fit the
     # pair for those codes. Neither step can raise the weighted error.
     def round_to() -> np.ndarray:
         return _levels((x - best_m.astype(dt)) * _inv(best_s, dt), 1.0, 0.0, nmax, lv)
 
+    one = np.empty((3, n), dtype=dt)
     for _ in range(_POLISH_ITERS):
-        scale, mn, _, ok = _fit_scale_min(sw, swx, w, wx, round_to())
+        scale, mn, _, ok = _fit_scale_min(sw, swx, *sums(round_to(), one).astype(np.float64))
         ok &= ~flat
         best_s[ok] = scale[ok]
         best_m[ok] = mn[ok]
@@ -271,6 +287,13 @@ def _solve_float_min(
     return lv, best_s, zp
 
 
+def _fit_scale(den: np.ndarray, num: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``x ~ s * d``: ``s = sum(w x d) / sum(w d d)``; the error is ``sum(w x x) - s * num``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s = num / np.where(den > 0, den, 1.0)
+    return s, s * num, (den > 0) & (s != 0) & np.isfinite(s)
+
+
 def _solve_int_zero(
     x: np.ndarray, w: np.ndarray, nmax: int, mults: list[float]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -278,42 +301,48 @@ def _solve_int_zero(
 
     Works with ``d = code - zero_point`` so the sums need no cancelling correction terms.
     """
-    dt = x.dtype
+    dt, n = x.dtype, x.shape[1]
+    cols = np.arange(n)
     # An integer zero point must land in [0, nmax], so the range covers 0 from both sides.
     xmin = np.minimum(x.min(axis=0), 0.0).astype(np.float64)
     rng = np.maximum(x.max(axis=0), 0.0) - xmin
     flat = ~(rng > 0)
-    rng_safe = np.where(flat, 1.0, rng)
+    y = x * _inv(rng, dt)  # a candidate's codes are rint(y * mult) + its zero point
     wx = w * x
     d = np.empty_like(x)
 
-    def round_to(s: np.ndarray, zp: np.ndarray) -> np.ndarray:
-        return _levels(x * _inv(s, dt), 1.0, (-zp).astype(dt), (nmax - zp).astype(dt), d)
+    def sums(d: np.ndarray, out: np.ndarray) -> np.ndarray:
+        _wsum(w, d, d, out=out[0])
+        _wsum(wx, d, out=out[1])
+        return out
 
-    def fit(d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        # x ~ s * d: s = sum(w x d) / sum(w d^2); the error is sum(w x^2) - s * sum(w x d).
-        den, num = _wsum(w, d, d), _wsum(wx, d)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            s = num / np.where(den > 0, den, 1.0)
-        return s, s * num, (den > 0) & (s > 0) & np.isfinite(s)
+    def levels(y: np.ndarray, mult: float, zp: np.ndarray) -> np.ndarray:
+        return _levels(y, mult, (-zp).astype(dt), (nmax - zp).astype(dt), d)
 
+    frac = -xmin * _inv(rng, np.float64)  # where 0 sits in the block's range
     best_s = rng / nmax
-    best_z = np.clip(np.rint(-xmin / rng_safe * nmax), 0, nmax)
-    best_gain = np.full(x.shape[1], -np.inf)
-    for mult in mults:
-        z_c = np.clip(np.rint(-xmin / rng_safe * mult), 0, nmax)
-        s, gain, ok = fit(round_to(rng / mult, z_c))
-        better = ok & (gain > best_gain)
-        best_s[better] = s[better]
-        best_z[better] = z_c[better]
-        best_gain[better] = gain[better]
+    best_z = np.clip(np.rint(frac * nmax), 0, nmax)
+    if mults:
+        zps = np.clip(np.rint(frac * np.asarray(mults)[:, None]), 0, nmax)
+        acc = np.empty((len(mults), 2, n), dtype=dt)
+        for c, mult in enumerate(mults):
+            sums(levels(y, mult, zps[c]), acc[c])
+        s, gain, ok = _fit_scale(*acc.astype(np.float64).transpose(1, 0, 2))
+        ok &= s > 0
+        k, found = _pick(gain, ok)
+        best_s = np.where(found, s[k, cols], best_s)
+        best_z = np.where(found, zps[k, cols], best_z)
 
     # Polish with the zero point fixed: re-round, re-fit the scale.
+    def round_to() -> np.ndarray:
+        return levels(x * _inv(best_s, dt), 1.0, best_z)
+
+    one = np.empty((2, n), dtype=dt)
     for _ in range(_POLISH_ITERS):
-        s, _, ok = fit(round_to(best_s, best_z))
-        ok &= ~flat
+        s, _, ok = _fit_scale(*sums(round_to(), one).astype(np.float64))
+        ok &= (s > 0) & ~flat
         best_s[ok] = s[ok]
-    codes = round_to(best_s, best_z)
+    codes = round_to()
     codes += best_z.astype(dt)
 
     # A flat block is all zero here (its range includes 0).
@@ -327,34 +356,35 @@ def _solve_symmetric(
     x: np.ndarray, w: np.ndarray, half: int, mults: list[float]
 ) -> tuple[np.ndarray, np.ndarray]:
     """make_qx_quants-style: levels ``[-half, half)`` around the implied zero point ``half``."""
-    dt = x.dtype
-    n = x.shape[1]
-    vmax = x[np.abs(x).argmax(axis=0), np.arange(n)]  # the signed value of largest magnitude
+    dt, n = x.dtype, x.shape[1]
+    cols = np.arange(n)
+    vmax = x[np.abs(x).argmax(axis=0), cols]  # the signed value of largest magnitude
     flat = vmax == 0
     # The extreme element sits at +1, so -mult sends it to the extra level at -half.
     y = x * _inv(vmax, dt)
     wx = w * x
     lv = np.empty_like(x)
 
-    def fit(lv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        den, num = _wsum(w, lv, lv), _wsum(wx, lv)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            s = num / np.where(den > 0, den, 1.0)
-        return s, s * num, (den > 0) & (s != 0) & np.isfinite(s)
+    def sums(lv: np.ndarray, out: np.ndarray) -> np.ndarray:
+        _wsum(w, lv, lv, out=out[0])
+        _wsum(wx, lv, out=out[1])
+        return out
 
     best_s = -vmax.astype(np.float64) / half
-    best_gain = np.full(n, -np.inf)
-    for mult in mults:
-        s, gain, ok = fit(_levels(y, -mult, -half, half - 1, lv))
-        better = ok & (gain > best_gain)
-        best_s[better] = s[better]
-        best_gain[better] = gain[better]
+    if mults:
+        acc = np.empty((len(mults), 2, n), dtype=dt)
+        for c, mult in enumerate(mults):
+            sums(_levels(y, -mult, -half, half - 1, lv), acc[c])
+        s, gain, ok = _fit_scale(*acc.astype(np.float64).transpose(1, 0, 2))
+        k, found = _pick(gain, ok)
+        best_s = np.where(found, s[k, cols], best_s)
 
     def round_to() -> np.ndarray:
         return _levels(x * _inv(best_s, dt), 1.0, -half, half - 1, lv)
 
+    one = np.empty((2, n), dtype=dt)
     for _ in range(_POLISH_ITERS):
-        s, _, ok = fit(round_to())
+        s, _, ok = _fit_scale(*sums(round_to(), one).astype(np.float64))
         ok &= ~flat
         best_s[ok] = s[ok]
     codes = round_to()
