@@ -25,7 +25,7 @@ _REPEATS = {sre_parse.MAX_REPEAT, sre_parse.MIN_REPEAT, getattr(sre_parse, "POSS
 def _has_nested_unbounded(items: Iterable, inside_repeat: bool) -> bool:
     for op, arg in items:
         if op in _REPEATS:
-            lo, hi, body = arg
+            _lo, hi, body = arg
             unbounded = hi == sre_parse.MAXREPEAT or hi > 100
             if unbounded and inside_repeat:
                 return True
@@ -37,9 +37,8 @@ def _has_nested_unbounded(items: Iterable, inside_repeat: bool) -> bool:
         elif op is sre_parse.BRANCH:
             if any(_has_nested_unbounded(b, inside_repeat) for b in arg[1]):
                 return True
-        elif op in (sre_parse.ASSERT, sre_parse.ASSERT_NOT):
-            if _has_nested_unbounded(arg[1], inside_repeat):
-                return True
+        elif op in (sre_parse.ASSERT, sre_parse.ASSERT_NOT) and _has_nested_unbounded(arg[1], inside_repeat):
+            return True
     return False
 
 

@@ -838,16 +838,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--preset", choices=list(PRESETS), help="decoder preset")
     p.add_argument("--dtype", choices=list(_DTYPES))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--external-data", action="store_true")
+    p.add_argument("--external-data", action="store_true", help="decoder and encoder only")
     args = p.parse_args(argv)
     extra: dict[str, Any] = {"seed": args.seed}
     if args.dtype:
         extra["dtype"] = args.dtype
+    if args.external_data:
+        if args.kind == "genai":
+            p.error("--external-data applies to decoder and encoder")
+        extra["external_data"] = True
     builders: dict[str, Callable[..., Path]] = {
         "decoder": build_decoder, "encoder": build_encoder, "genai": build_genai_folder,
     }
-    if args.external_data:
-        extra["external_data"] = True
     if args.kind == "decoder" and args.preset:
         out = build_preset(args.preset, args.path, **extra)
     else:

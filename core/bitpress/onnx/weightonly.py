@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -590,4 +590,3 @@ __all__ = [
     "plan",
     "quantize_weights",
 ]
-Callable  # re-exported type for plugin authors' annotations

@@ -12,6 +12,6 @@ __all__ = ["Bnb4Pass", "RtnPass"]
 
 
 @hookimpl
-def bitpress_register_passes(register):  # noqa: ANN001, ANN201
+def bitpress_register_passes(register):
     register(RtnPass)
     register(Bnb4Pass)

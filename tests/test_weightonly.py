@@ -1,0 +1,314 @@
+"""The host's weight-only machinery, exercised through the RTN plugin.
+
+Models are built here with bitpress.synthetic (tiny random transformers, no network).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import bitpress
+from bitpress.errors import OptionError
+from bitpress.onnx import layout, weightonly
+from bitpress.synthetic import build_decoder, build_encoder, random_inputs
+
+
+def run(path: Path, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(a))
+
+
+def nodes(path: Path, op: str) -> list[onnx.NodeProto]:
+    return [n for n in onnx.load(str(path)).graph.node if n.op_type == op]
+
+
+def attr(node: onnx.NodeProto, name: str) -> object:
+    return next(helper.get_attribute_value(a) for a in node.attribute if a.name == name)
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_decoder(tmp_path_factory.mktemp("dec") / "model.onnx", hidden=64, layers=2, vocab=256, tied=True)
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_encoder(tmp_path_factory.mktemp("enc") / "model.onnx", hidden=64, layers=2, vocab=512)
+
+
+# Measured with these seeds: decoder int8 0.006-0.007, int4 0.10-0.11; encoder int8 ~0.004, int4 ~0.06.
+@pytest.mark.parametrize("which", ["decoder", "encoder"])
+@pytest.mark.parametrize(("precision", "bound"), [("int8", 0.02), ("int4", 0.2)])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_outputs_check_run_and_stay_close(request, tmp_path, which, precision, bound, symmetric):
+    src = request.getfixturevalue(which)
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(src, out, algorithm="rtn", precision=precision,
+                      options={"block_size": 32, "is_symmetric": symmetric})
+    onnx.checker.check_model(str(out))
+    feeds = random_inputs(src)
+    err = rel(run(src, feeds), run(out, feeds))
+    assert err < bound, f"{which} {precision}: logits relative error {err:.4f}"
+    assert nodes(out, "MatMulNBits"), "no MatMulNBits written"
+    q = onnx.load(str(out))
+    consts = {t.name for t in q.graph.initializer}
+    assert not [n.name for n in q.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in consts]
+    assert any(o.domain == "com.microsoft" for o in q.opset_import)
+    for n in nodes(out, "MatMulNBits"):
+        assert attr(n, "bits") == int(precision[-1])
+
+
+def test_int8_much_tighter_than_int4(decoder, tmp_path):
+    feeds = random_inputs(decoder)
+    ref = run(decoder, feeds)
+    errs = {}
+    for p in ("int4", "int8"):
+        bitpress.quantize(decoder, tmp_path / f"{p}.onnx", algorithm="rtn", precision=p, options={"block_size": 32})
+        errs[p] = rel(ref, run(tmp_path / f"{p}.onnx", feeds))
+    assert errs["int8"] * 5 < errs["int4"], errs
+
+
+def test_tied_table_is_one_quantized_tensor(decoder, tmp_path):
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(decoder, out, algorithm="rtn", precision="int4", options={"block_size": 32})
+    model = onnx.load(str(out))
+    inits = {t.name: t for t in model.graph.initializer}
+    gather = nodes(out, "GatherBlockQuantized")
+    assert len(gather) == 1
+    head = next(n for n in nodes(out, "MatMulNBits") if "lm_head" in n.name)
+    reshape = next(n for n in model.graph.node if n.output[0] == gather[0].input[0])
+    assert reshape.op_type == "Reshape"
+    # the Gather's data and the head's B are the same initializer; scales too
+    assert reshape.input[0] == head.input[1]
+    assert gather[0].input[2] == head.input[2]
+    assert "model.embed_tokens.weight" not in inits  # no float copy left behind
+    assert not nodes(out, "Transpose") or all("embed" not in n.input[0] for n in nodes(out, "Transpose"))
+    # the shared bytes really serve both: dequantizing B gives the Gather's table
+    b = numpy_helper.to_array(inits[head.input[1]])
+    assert b.shape[0] == 256
+    feeds = random_inputs(decoder)
+    assert rel(run(decoder, feeds), run(out, feeds)) < 0.2
+
+
+@pytest.mark.parametrize("excluded", ["/lm_head/MatMul", "/model/embed_tokens/Gather", "re:.*embed.*"])
+def test_tied_table_stays_float_when_either_end_is_excluded(decoder, tmp_path, excluded):
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(decoder, out, algorithm="rtn", precision="int4",
+                      options={"block_size": 32, "nodes_to_exclude": [excluded]})
+    model = onnx.load(str(out))
+    inits = {t.name for t in model.graph.initializer}
+    assert "model.embed_tokens.weight" in inits
+    assert not nodes(out, "GatherBlockQuantized")
+    assert not any("lm_head" in n.name for n in nodes(out, "MatMulNBits"))
+    assert nodes(out, "Gather") and any("lm_head" in n.name for n in nodes(out, "MatMul"))
+    assert len(nodes(out, "MatMulNBits")) == 14  # the layers' projections are still quantized
+
+
+def test_tied_table_with_conflicting_overrides_stays_float(decoder, tmp_path):
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(decoder, out, algorithm="rtn", precision="int4",
+                      options={"block_size": 32, "overrides": {"/lm_head/MatMul": {"bits": 8}}})
+    assert not nodes(out, "GatherBlockQuantized")
+    assert "model.embed_tokens.weight" in {t.name for t in onnx.load(str(out)).graph.initializer}
+
+
+def test_untied_head_and_odd_sizes_pad_k(tmp_path):
+    # hidden 72 and intermediate 200 are not multiples of the block: K is padded
+    src = build_decoder(tmp_path / "m.onnx", hidden=72, layers=1, heads=4, intermediate=200, vocab=130, tied=False)
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(src, out, algorithm="rtn", precision="int4", options={"block_size": 32})
+    down = next(n for n in nodes(out, "MatMulNBits") if "down_proj" in n.name)
+    assert attr(down, "K") == 200 and attr(down, "block_size") == 32
+    inits = {t.name: t for t in onnx.load(str(out)).graph.initializer}
+    assert list(inits[down.input[1]].dims) == [72, 7, 16]  # ceil(200 / 32) = 7 blocks of 16 bytes
+    feeds = random_inputs(src)
+    assert rel(run(src, feeds), run(out, feeds)) < 0.2
+
+
+def test_fp16_model_stays_fp16(tmp_path):
+    src = build_decoder(tmp_path / "m.onnx", hidden=64, layers=1, vocab=256, tied=True, dtype="float16")
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(src, out, algorithm="rtn", precision="int4", options={"block_size": 32})
+    model = onnx.load(str(out))
+    assert model.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT16
+    inits = {t.name: t for t in model.graph.initializer}
+    for n in nodes(out, "MatMulNBits") + nodes(out, "GatherBlockQuantized"):
+        assert inits[n.input[2]].data_type == TensorProto.FLOAT16, n.name
+    feeds = random_inputs(src)
+    a, b = run(src, feeds), run(out, feeds)
+    assert b.dtype == np.float16
+    assert rel(a, b) < 0.2
+
+
+def test_rtn_matches_onnxruntime_quantizer(tmp_path):
+    """bitpress rtn and ORT's MatMulNBitsQuantizer give the same dequantized weights."""
+    pytest.importorskip("onnx_ir")
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        MatMulNBitsQuantizer,
+    )
+
+    src = build_decoder(tmp_path / "m.onnx", hidden=64, layers=1, vocab=256, tied=False)
+    for symmetric in (True, False):
+        ours = tmp_path / f"ours_{symmetric}.onnx"
+        bitpress.quantize(src, ours, algorithm="rtn", precision="int4",
+                          options={"block_size": 32, "is_symmetric": symmetric, "op_types": ["MatMul"]})
+        cfg = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=symmetric)
+        q = MatMulNBitsQuantizer(onnx.load(str(src)), algo_config=cfg)
+        q.process()
+        theirs = q.model.model
+        t_inits = {t.name: numpy_helper.to_array(t) for t in theirs.graph.initializer}
+        o_model = onnx.load(str(ours))
+        o_inits = {t.name: numpy_helper.to_array(t) for t in o_model.graph.initializer}
+        t_nodes = {n.name.removesuffix("_Q4"): n for n in theirs.graph.node if n.op_type == "MatMulNBits"}
+        compared = 0
+        for n in o_model.graph.node:
+            if n.op_type != "MatMulNBits":
+                continue
+            peer = t_nodes[n.name.removesuffix("_Q4")]
+
+            def deq(node, inits):
+                zp = inits[node.input[3]] if len(node.input) > 3 and node.input[3] else None
+                t = layout.MatMulNBitsTensors(
+                    inits[node.input[1]], inits[node.input[2]], zp, attr(node, "K"), attr(node, "N"),
+                    attr(node, "bits"), attr(node, "block_size"),
+                )
+                return layout.dequantize_matmul_nbits(t)
+
+            np.testing.assert_allclose(deq(n, o_inits), deq(peer, t_inits), rtol=1e-6, atol=1e-7)
+            compared += 1
+        assert compared == 8  # 7 projections + the untied head
+
+
+def test_overrides_give_mixed_precision(decoder, tmp_path):
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(decoder, out, algorithm="rtn", precision="int4",
+                      options={"block_size": 32,
+                               "overrides": {r"re:.*/mlp/down_proj/.*": {"bits": 8, "block_size": 16}}})
+    for n in nodes(out, "MatMulNBits"):
+        if "down_proj" in n.name:
+            assert (attr(n, "bits"), attr(n, "block_size")) == (8, 16)
+        else:
+            assert (attr(n, "bits"), attr(n, "block_size")) == (4, 32)
+
+
+def test_include_and_exclude_patterns(decoder, tmp_path):
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(decoder, out, algorithm="rtn", precision="int4",
+                      options={"nodes_to_include": ["/model/layers.0/*"], "nodes_to_exclude": ["*/k_proj/*"]})
+    names = [n.name for n in nodes(out, "MatMulNBits")]
+    assert names and all(n.startswith("/model/layers.0/") for n in names)
+    assert not any("k_proj" in n for n in names)
+    assert len(names) == 6
+
+
+def test_catastrophic_regex_is_refused_before_work(decoder, tmp_path):
+    with pytest.raises(OptionError, match="nests a repetition"):
+        bitpress.quantize(decoder, tmp_path / "q.onnx", algorithm="rtn", precision="int4",
+                          options={"nodes_to_exclude": ["re:(a+)+$"]})
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def _shared_weight_model(path: Path, extra_reader: bool) -> Path:
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((64, 48)).astype(np.float32), "W")
+    nodes_ = [
+        helper.make_node("MatMul", ["x", "W"], ["a"], name="mm_a"),
+        helper.make_node("MatMul", ["x", "W"], ["b"], name="mm_b"),
+        helper.make_node("Add", ["a", "b"], ["y"], name="add"),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 48])]
+    if extra_reader:
+        nodes_.append(helper.make_node("ReduceSum", ["W"], ["s"], name="reads_w", keepdims=0))
+        outputs.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, []))
+    g = helper.make_graph(nodes_, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                          outputs, [w])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+    return path
+
+
+def test_weight_shared_by_two_matmuls_is_quantized_once(tmp_path):
+    src = _shared_weight_model(tmp_path / "m.onnx", extra_reader=False)
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(src, out, algorithm="rtn", precision="int4", options={"block_size": 32})
+    mm = nodes(out, "MatMulNBits")
+    assert len(mm) == 2 and mm[0].input[1:] == mm[1].input[1:]
+    assert len(onnx.load(str(out)).graph.initializer) in (2, 3)  # B, scales (and zero points)
+
+
+def test_weight_with_a_float_reader_is_left_float(tmp_path):
+    src = _shared_weight_model(tmp_path / "m.onnx", extra_reader=True)
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(src, out, algorithm="rtn", precision="int4", options={"block_size": 32})
+    assert not nodes(out, "MatMulNBits")
+
+
+def test_gemm_forms_and_bias(tmp_path):
+    rng = np.random.default_rng(1)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((48, 64)).astype(np.float32), "Wt"),  # [N, K] for transB=1
+        numpy_helper.from_array(rng.standard_normal((64, 48)).astype(np.float32), "W"),  # [K, N]
+        numpy_helper.from_array(rng.standard_normal(48).astype(np.float32), "bias"),
+    ]
+    g = helper.make_graph(
+        [
+            helper.make_node("Gemm", ["x", "Wt", "bias"], ["a"], name="gemm_t", transB=1),
+            helper.make_node("Gemm", ["x", "W"], ["b"], name="gemm"),
+            helper.make_node("Gemm", ["x", "W", "bias"], ["c"], name="gemm_alpha", alpha=0.5),
+        ],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 64])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3, 48]) for n in "abc"], inits,
+    )
+    src = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(src))
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(src, out, algorithm="rtn", precision="int8", options={"block_size": 32})
+    # gemm_alpha shares W with gemm but cannot be rewritten: W stays float for both
+    assert [n.name for n in nodes(out, "MatMulNBits")] == ["gemm_t_Q8"]
+    feeds = {"x": np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32)}
+    sa, sb = ort.InferenceSession(str(src)), ort.InferenceSession(str(out))
+    for ra, rb in zip(sa.run(None, feeds), sb.run(None, feeds), strict=True):
+        assert rel(ra, rb) < 0.01
+
+
+def test_jobs_and_chunking_do_not_change_the_result(decoder, tmp_path, monkeypatch):
+    outs = []
+    for i, (jobs, chunk) in enumerate([(1, weightonly.CHUNK_ELEMENTS), (2, weightonly.CHUNK_ELEMENTS), (2, 1000)]):
+        monkeypatch.setattr(weightonly, "CHUNK_ELEMENTS", chunk)
+        out = tmp_path / f"q{i}.onnx"
+        bitpress.quantize(decoder, out, algorithm="rtn", precision="int4", jobs=jobs,
+                          options={"block_size": 32, "is_symmetric": False})
+        outs.append({t.name: t.raw_data for t in onnx.load(str(out)).graph.initializer})
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_no_dangling_initializers(decoder, tmp_path):
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(decoder, out, algorithm="rtn", precision="int4")
+    model = onnx.load(str(out))
+    used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+    assert {t.name for t in model.graph.initializer} <= used
+
+
+@pytest.mark.parametrize("precision", ["nf4", "fp4"])
+def test_bnb4_codebooks(tmp_path, precision):
+    src = build_decoder(tmp_path / "m.onnx", hidden=64, layers=1, vocab=256, tied=True)
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(src, out, algorithm=precision, precision=precision, options={"block_size": 32})
+    mm = nodes(out, "MatMulBnb4")
+    assert len(mm) == 7  # the layer's projections; the tied head stays float with its Gather
+    assert attr(mm[0], "quant_type") == {"fp4": 0, "nf4": 1}[precision]
+    assert "model.embed_tokens.weight" in {t.name for t in onnx.load(str(out)).graph.initializer}
+    onnx.checker.check_model(str(out))
+    feeds = random_inputs(src)
+    assert rel(run(src, feeds), run(out, feeds)) < 0.25
