@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bitpress.errors import BitpressError, PassNotFoundError
 from bitpress.models.base import ModelHandle
 from bitpress.onnx.save import SaveOptions
+from bitpress.passes import Pass
 from bitpress.plugins import Registry, get_registry
 from bitpress.workflow import (
     PassStep,
@@ -42,8 +44,7 @@ def quantize(
     """Quantize ``model`` with the pass that provides ``algorithm`` at ``precision``."""
     registry = registry or get_registry()
     model_path = Path(model)
-    kind = "onnx"
-    cls = registry.select(algorithm, precision, kind)
+    cls = _select(registry, algorithm, precision, model_path)
     step = PassStep(cls.from_config(options or {}, precision), f"{algorithm}/{precision or '-'}")
     wf = Workflow(
         input=model_path, output=Path(output), steps=[step], components=components, jobs=jobs,
@@ -51,6 +52,21 @@ def quantize(
         save=SaveOptions(external_data=external_data, max_shard_size=max_shard_size, check=check),
     )
     return run_workflow(wf, registry, progress=progress)
+
+
+def _select(registry: Registry, algorithm: str, precision: str | None, path: Path) -> type[Pass]:
+    """The pass for ``algorithm``: ONNX first (no loading), else for the kind a format plugin loads."""
+    try:
+        return registry.select(algorithm, precision, "onnx")
+    except PassNotFoundError:
+        try:
+            handle = registry.hook.bitpress_load_model(source=path, options={})
+        except BitpressError:
+            handle = None  # report the selection problem, the run reports the input's
+        kind = getattr(handle, "kind", None)
+        if kind in (None, "onnx", "onnx-folder"):
+            raise
+        return registry.select(algorithm, precision, kind)
 
 
 def run(config: dict[str, Any] | str | Path, *, progress: Any = None,

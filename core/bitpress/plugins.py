@@ -89,14 +89,19 @@ class Registry:
             for impl in self.pm.hook.bitpress_register_passes.get_hookimpls():
                 if impl.plugin is plugin:
                     impl.function(register=collected.append)
+            unique: dict[str, type[Pass]] = {}
             for cls in collected:
                 check_pass_class(cls)
+                # two classes under one name within this plugin would silently shadow each other
+                if cls.name in unique and unique[cls.name] is not cls:
+                    raise TypeError(f"pass name {cls.name!r} registered twice by this plugin")
                 if cls.name in self.passes and self.passes[cls.name] is not cls:
                     raise TypeError(
                         f"pass name {cls.name!r} already registered by plugin "
                         f"{self.passes[cls.name].plugin!r}"
                     )
-            for cls in collected:
+                unique[cls.name] = cls
+            for cls in unique.values():
                 cls.plugin = name
                 self.passes[cls.name] = cls
                 info.passes.append(cls.name)
@@ -112,6 +117,7 @@ class Registry:
         info.error = f"{type(exc).__name__}: {exc}"
         info.detail = "".join(traceback.format_exception(exc))
         log.warning("plugin %s is broken and was skipped: %s", info.name, info.error)
+        log.debug("plugin %s failed with:\n%s", info.name, info.detail)  # shown with --verbose
 
     # -- queries -----------------------------------------------------------------------------
     @property

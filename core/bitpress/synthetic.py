@@ -7,9 +7,11 @@ on ONNX Runtime's CPU provider in float32 and float16.
 
 Weights are generated chunk by chunk from a seed derived from ``(seed, tensor name, chunk)``,
 so a tensor's values do not depend on the model layout, on other tensors, or on whether the
-model is stored inline or with external data. With ``external_data=True`` each chunk is
-appended to ``<model>.onnx.data`` as soon as it is generated, so multi-GB models build with
-a peak memory of a few chunks.
+model is stored inline or with external data. Each chunk is written as soon as it is
+generated (to ``<model>.onnx.data`` with ``external_data=True``, else appended to the
+serialized model as a protobuf field), so even multi-GB models build with a peak memory of
+a few chunks. ``python -m bitpress.synthetic decoder out.onnx --preset bench-4gb`` builds
+one from the shell.
 """
 
 from __future__ import annotations
@@ -53,17 +55,17 @@ _DTYPES: dict[str, tuple[type[np.floating], int]] = {
     "float16": (np.float16, TensorProto.FLOAT16),
 }
 
-# kwargs for build_decoder. Sizes are fp32 bytes of the .onnx (+ .data) files.
+# kwargs for build_decoder (see build_preset); sizes are the fp32 files as built.
 PRESETS: dict[str, dict[str, Any]] = {
-    # ~1.3 MB, what `bitpress demo` and most tests use
+    # 465,125 bytes; what `bitpress demo` and most tests use
     "tiny": {"hidden": 64, "layers": 2, "heads": 4, "vocab": 256},
-    # 447,254,849 bytes: Llama-3-like layout (GQA 16/4 heads, untied head), single file
+    # 447,298,376 bytes: Llama-3-like layout (GQA 16/4 heads, untied head), one file
     "bench-447mb": {
         "hidden": 1024, "layers": 4, "heads": 16, "kv_heads": 4, "intermediate": 2912,
         "vocab": 32000, "tied": False,
     },
-    # 4,571,971,584 bytes of data (> 4 GiB, so offsets overflow 32 bits): Llama-2-7B
-    # shapes, 5 layers, tied head, external data
+    # 52,123 + 4,572,463,104 bytes (.onnx + .data; > 4 GiB, so offsets overflow 32 bits):
+    # Llama-2-7B shapes, 5 layers, tied head
     "bench-4gb": {
         "hidden": 4096, "layers": 5, "heads": 32, "intermediate": 11008, "vocab": 32000,
         "tied": True, "external_data": True,
@@ -163,7 +165,8 @@ def _write_weights(
     With ``data_path``, tensors of 1 KiB and more go to that file and only their references
     to the model; either way no more than a few chunks are in memory at once.
     """
-    workers = min(8, os.cpu_count() or 1)
+    # numpy's generators release the GIL; beyond ~4 threads the disk is the bottleneck
+    workers = min(4, os.cpu_count() or 1)
     data: BinaryIO | None = data_path.open("wb") if data_path is not None else None
     try:
         with ThreadPoolExecutor(workers) as pool:

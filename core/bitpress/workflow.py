@@ -24,6 +24,7 @@ from bitpress.models.base import ModelHandle
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.models.package import OnnxPackage
 from bitpress.onnx.save import SaveOptions
+from bitpress.onnx.tensors import is_external, iter_tensors
 from bitpress.passes import Pass, PassContext
 from bitpress.plugins import Registry, get_registry
 
@@ -156,12 +157,14 @@ def run_workflow(
         from bitpress.errors import ModelLoadError
 
         raise ModelLoadError(f"model not found: {src}")
-    folder_out = src.is_dir() or wf.output.suffix.lower() != ".onnx"
+    # a file output for `.onnx` or the input's own suffix (formats added by plugins), else a folder
+    folder_out = src.is_dir() or wf.output.suffix.lower() not in {".onnx", src.suffix.lower()} - {""}
     _check_output(src, wf.output, folder_out, wf.overwrite)
 
     model = registry.hook.bitpress_load_model(source=src, options={})
     if model is None:
         raise UsageError(f"no plugin can load {src}")
+    _check_output_spares_input(model, wf.output, folder_out)
     for step in wf.steps:
         kinds = step.pass_.model_kinds
         target_kind = "onnx" if isinstance(model, OnnxPackage) else model.kind
@@ -169,6 +172,8 @@ def run_workflow(
             raise UsageError(f"{step.label}: pass {step.pass_.name} does not accept {target_kind} models")
 
     parent = wf.output.resolve().parent
+    # folders this run creates for the output, deepest first: removed again if the run fails
+    created = [d for d in (parent, *parent.parents) if not d.exists()]
     parent.mkdir(parents=True, exist_ok=True)
     tmp = parent / f".{wf.output.name}.bitpress-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -192,10 +197,16 @@ def run_workflow(
             seconds["save"] = time.perf_counter() - t0
             staged = payload if folder_out else dest
         final_files = _move_into_place(staged, wf.output, folder_out, files, tmp)
+        created = []
     finally:
         if isinstance(model, OnnxModel):
             model.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        for d in created:
+            try:
+                d.rmdir()
+            except OSError:
+                break
     in_bytes = _size_of(src)
     out_bytes = sum(f.stat().st_size for f in final_files if f.is_file())
     return RunResult(wf.output, final_files, seconds, in_bytes, out_bytes)
@@ -271,6 +282,22 @@ def _check_output(src: Path, out: Path, folder_out: bool, overwrite: bool) -> No
         if out.is_dir() and not any(out.iterdir()):
             return
         raise OutputError(f"the output {out} already exists; remove it or pass --overwrite")
+
+
+def _check_output_spares_input(model: ModelHandle, out: Path, folder_out: bool) -> None:
+    """Refuse an output that would replace or contain a file the input reads (its data too).
+
+    Moving the output into place replaces ``out`` (a whole folder, with --overwrite) and, for a
+    single file, ``<out>.data*``: none of that may be the input's model or external data.
+    """
+    files = {model.source.resolve()}
+    if isinstance(model, OnnxModel):
+        files |= {model.resolver.path(t)[0].resolve() for t in iter_tensors(model.proto) if is_external(t)}
+    out_r = out.resolve()
+    for f in files:
+        stale = not folder_out and f.parent == out_r.parent and f.name.startswith(out_r.name + ".data")
+        if f.is_relative_to(out_r) or stale:
+            raise OutputError(f"the output {out} would overwrite the input's file {f}; choose another path")
 
 
 def _move_into_place(staged: Path, out: Path, folder_out: bool, files: list[Path], tmp: Path) -> list[Path]:

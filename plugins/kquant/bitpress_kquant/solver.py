@@ -6,13 +6,20 @@ in closed form and keeps the candidate with the lowest weighted squared error. T
 weights follow llama.cpp's Q4_K: ``|x| + rms(block)`` without an importance vector, and
 ``importance * sqrt(2 * mean(x^2) + x^2)`` with one (llama.cpp's ``quantize_row_q4_K_impl``
 takes ``sigma2`` over a 256-element super-block; here the block is the only grouping there is).
-After the sweep the block is re-rounded to the chosen grid and the pair re-fitted once; both
-steps can only lower the weighted error.
+A candidate's error comes from the same sums in closed form (at a least-squares optimum
+``error = sum(w x^2) - scale * sum(w x l) - min * sum(w x)``), so each candidate costs one
+rounding pass and three weighted sums. After the sweep the block is re-rounded to the chosen
+grid and the pair re-fitted once; both steps can only lower the weighted error. All three
+flavours below use the same weights (llama.cpp's Q6_K would use ``x^2`` for its symmetric
+search).
 
 Three output flavours, chosen by the :class:`BlockSpec`:
 
 * ``float_zero_points``: llama.cpp's representation. ``zero_point = -min / scale`` as float32,
-  so the fitted ``min`` survives exactly.
+  so the fitted ``min`` survives exactly. llama.cpp clamps ``min <= 0``; this solver also
+  keeps the top level ``>= 0`` (``max`` clamped likewise, and the fit constrained), so the
+  zero point stays in ``[0, 2**bits - 1]``: an all-negative block would otherwise get an
+  unbounded one (past fp16's range for a narrow block far from 0). Only such blocks differ.
 * integer zero points: the same sweep, but each candidate rounds its zero point to an integer
   in ``[0, 2**bits)`` and fits the scale alone for it (a 1-D least-squares problem).
 * ``symmetric``: llama.cpp's ``make_qx_quants`` idea. The element of largest magnitude is
@@ -45,7 +52,7 @@ _REL_DET_EPS = 1e-5
 # Rounds of re-rounding + re-fitting after the sweep (each one a full pass over the block).
 _POLISH_ITERS = 1
 # Bit widths from which the search runs in float64 (see kquant_solver).
-_F64_FROM_BITS = 6
+_F64_FROM_BITS = 7
 
 
 def bits_per_weight(spec: BlockSpec, scale_bytes: int = 2) -> float:
@@ -74,7 +81,10 @@ def kquant_solver(
     The defaults (``nstep=20, rmin=-1, rdelta=0.1``) are llama.cpp's for Q4_K without an
     imatrix (``make_qkx2_quants``; Q5_K uses ``15, -0.5, 0.1``, the imatrix path's
     ``make_qkx3_quants`` uses ``36, -0.9, 0.05``). Candidate ``c`` rounds with the inverse
-    scale ``(nmax + rmin + rdelta * c) / (max - min)``. ``nstep < 1`` skips the sweep.
+    scale ``(nmax + rmin + rdelta * c) / (max - min)`` (symmetric: ``-(2**(bits-1) + rmin +
+    rdelta * c) / m``, ``m`` the block's value of largest magnitude, as in llama.cpp's
+    ``make_qx_quants``, whose own sweep is ``is = -9..9`` in steps of 0.1). ``nstep < 1``
+    skips the sweep.
     ``importance`` is per input channel, ``[n_blocks * block_size]``. ``w`` is not modified.
     """
     if w.ndim != 3:
@@ -94,10 +104,8 @@ def kquant_solver(
 
     q = np.empty((rows, n_blocks, block_size), dtype=np.uint8)
     scales = np.empty((rows, n_blocks), dtype=np.float32)
-    zero_points: np.ndarray | None = None
-    if not spec.symmetric:
-        zp_dtype = np.float32 if spec.float_zero_points else np.uint8
-        zero_points = np.empty((rows, n_blocks), dtype=zp_dtype)
+    zps = np.empty((rows, n_blocks), dtype=np.float32 if spec.float_zero_points else np.uint8)
+    zero_points = None if spec.symmetric else zps
     if rows == 0 or n_blocks == 0:
         return QuantizedBlocks(q=q, scales=scales, zero_points=zero_points)
 
@@ -106,8 +114,8 @@ def kquant_solver(
     mults = [nmax + rmin + rdelta * c for c in range(nstep + 1)] if nstep >= 1 else []
     mults = [a for a in mults if a > 0]
 
-    # float32 sums leave ~1e-6 relative noise in the closed-form errors: fine next to 4-bit
-    # error, but as large as the differences between candidates at 6+ bits.
+    # float32 sums leave ~1e-6 relative noise in the closed-form errors: nothing next to a
+    # 4-bit error, but at 8 bits as large as the differences between candidates.
     work = np.float32 if spec.bits < _F64_FROM_BITS else np.float64
     rows_per_chunk = max(1, _CHUNK_ELEMS // (n_blocks * block_size))
     # Importance laid out like a chunk: column r * n_blocks + b holds block b's channels.
@@ -124,12 +132,13 @@ def kquant_solver(
             codes, s = _solve_symmetric(x, wt, nmax, mults)
         elif spec.float_zero_points:
             codes, s, zp = _solve_float_min(x, wt, nmax, mults)
-            zero_points[r0:r1] = zp.reshape(r1 - r0, n_blocks)  # type: ignore[index]
+            zps[r0:r1] = zp.reshape(r1 - r0, n_blocks)
         else:
             codes, s, zp = _solve_int_zero(x, wt, nmax, mults)
-            zero_points[r0:r1] = zp.reshape(r1 - r0, n_blocks)  # type: ignore[index]
+            zps[r0:r1] = zp.reshape(r1 - r0, n_blocks)
         scales[r0:r1] = s.reshape(r1 - r0, n_blocks)
-        np.copyto(q[r0:r1].reshape(-1, block_size), codes.T, casting="unsafe")
+        # Narrow to uint8 while contiguous, then transpose the 1-byte codes.
+        q[r0:r1] = codes.astype(np.uint8).T.reshape(r1 - r0, n_blocks, block_size)
 
     starts = range(0, rows, rows_per_chunk)
     workers = min(len(starts), os.cpu_count() or 1)
@@ -202,32 +211,50 @@ def _wsum(*arrays: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 def _pick(score: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per block, the usable candidate (row) with the highest score, and whether there was one."""
     score = np.where(ok, score, -np.inf)
-    best = score.argmax(axis=0)
+    # argmax along a contiguous axis: far faster than down the strided candidate axis.
+    best = np.ascontiguousarray(score.T).argmax(axis=1)
     return best, ok.any(axis=0)
 
 
 def _fit_scale_min(
-    sw: np.ndarray, swx: np.ndarray, sl: np.ndarray, sl2: np.ndarray, sxl: np.ndarray
+    sw: np.ndarray,
+    swx: np.ndarray,
+    sl: np.ndarray,
+    sl2: np.ndarray,
+    sxl: np.ndarray,
+    nmax: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Weighted least squares for ``x ~ scale * l + min`` with ``min <= 0``, per block.
+    """Weighted least squares for ``x ~ scale * l + min``, per block, keeping 0 on the grid.
 
     Takes ``sum(w)``, ``sum(w*x)`` and, per candidate, ``sum(w*l)``, ``sum(w*l*l)``,
-    ``sum(w*x*l)``. Returns ``scale, min``, the weighted error less the constant
-    ``sum(w*x*x)``, and whether the fit is usable (non-singular, positive scale).
+    ``sum(w*x*l)``. ``-scale * nmax <= min <= 0`` keeps the zero point ``-min / scale`` in
+    ``[0, nmax]``. Returns ``scale, min``, the gain (``sum(w*x*x)`` less the weighted error)
+    and whether the fit is usable (non-singular, positive scale).
     """
-    det = sw * sl2 - sl * sl
-    ok = det > _REL_DET_EPS * sw * sl2
+    swl2 = sw * sl2
+    det = swl2 - sl * sl
+    ok = det > _REL_DET_EPS * swl2
     with np.errstate(divide="ignore", invalid="ignore"):
-        safe = np.where(ok, det, 1.0)
-        scale = (sw * sxl - swx * sl) / safe
-        mn = (sl2 * swx - sl * sxl) / safe
-        # The free optimum would leave 0 off the grid; the best with min = 0 instead.
-        pos = mn > 0
-        mn[pos] = 0.0
-        scale[pos] = (sxl / np.where(sl2 > 0, sl2, 1.0))[pos]
-        err = scale * (scale * sl2 - 2.0 * sxl + 2.0 * mn * sl) + mn * (mn * sw - 2.0 * swx)
-    ok &= (scale > 0) & np.isfinite(err)
-    return scale, mn, err, ok
+        inv_det = np.where(ok, 1.0 / det, 0.0)
+        scale = (sw * sxl - swx * sl) * inv_det
+        mn = (sl2 * swx - sl * sxl) * inv_det
+        # A free optimum with 0 off the grid is replaced by the best with 0 on its end
+        # level: min = 0 (llama.cpp's clamp), or the top level at 0, min = -scale * nmax.
+        # Both are rare, so only those entries are recomputed.
+        low = mn > 0
+        if low.any():
+            scale[low] = sxl[low] / sl2[low]
+            mn[low] = 0.0
+        high = mn + scale * nmax < 0
+        if high.any():
+            den = (sl2 - 2.0 * nmax * sl + nmax * nmax * sw)[high]  # sum(w (l - nmax)^2)
+            scale[high] = (sxl - nmax * swx)[high] / den
+            mn[high] = -nmax * scale[high]
+    # At a least-squares optimum the residual is orthogonal to the fit, so
+    # error = sum(w x^2) - scale * sum(w x l) - min * sum(w x), constrained or not.
+    gain = scale * sxl + mn * swx
+    ok &= (scale > 0) & np.isfinite(gain)
+    return scale, mn, gain, ok
 
 
 def _solve_float_min(
@@ -236,13 +263,15 @@ def _solve_float_min(
     """make_qkx2_quants over every column of ``x`` (``[block_size, n]``): codes, scale, zp."""
     dt, n = x.dtype, x.shape[1]
     cols = np.arange(n)
-    xmin = np.minimum(x.min(axis=0), 0.0)  # llama.cpp: min <= 0, so 0 stays representable
-    rng = x.max(axis=0) - xmin
-    flat = ~(rng > 0)
+    # llama.cpp clamps min <= 0 so 0 is representable; max >= 0 as well keeps an all-negative
+    # block's zero point -min/scale near [0, nmax] rather than unbounded (fp16 storage).
+    xmin = np.minimum(x.min(axis=0), 0.0)
+    rng = np.maximum(x.max(axis=0), 0.0) - xmin
+    # An all-zero block has rng == 0: scale 0, every code and the zero point 0.
     y = (x - xmin) * _inv(rng, dt)  # every block normalized to [0, 1]
     wx = w * x
-    sw = w.sum(axis=0, dtype=np.float64)
-    swx = wx.sum(axis=0, dtype=np.float64)
+    sw = w.sum(axis=0)
+    swx = wx.sum(axis=0)
     lv = np.empty_like(x)
 
     def sums(lv: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -252,17 +281,17 @@ def _solve_float_min(
         return out
 
     # The plain min/max grid: llama.cpp's starting point, kept where no candidate fits.
-    best_s = rng.astype(np.float64) / nmax
-    best_m = xmin.astype(np.float64)
+    best_s = rng / nmax
+    best_m = xmin.copy()
     if mults:
         # Only the O(block_size) work runs per candidate; the 2x2 algebra runs once on all.
         acc = np.empty((len(mults), 3, n), dtype=dt)
         for c, mult in enumerate(mults):
-            # y * mult >= 0; only multipliers past nmax + 0.5 can round above nmax.
-            sums(_levels(y, mult, None, nmax if mult > nmax + 0.5 else None, lv), acc[c])
-        acc64 = acc.astype(np.float64).transpose(1, 0, 2)
-        scale, mn, err, ok = _fit_scale_min(sw, swx, *acc64)
-        k, found = _pick(-err, ok)
+            # y * mult >= 0 and y <= 1 (to float round-off): only multipliers near or past
+            # nmax + 0.5 can round above nmax.
+            sums(_levels(y, mult, None, nmax if mult > nmax + 0.45 else None, lv), acc[c])
+        scale, mn, gain, ok = _fit_scale_min(sw, swx, *acc.transpose(1, 0, 2), nmax)
+        k, found = _pick(gain, ok)
         best_s = np.where(found, scale[k, cols], best_s)
         best_m = np.where(found, mn[k, cols], best_m)
 
@@ -273,17 +302,12 @@ def _solve_float_min(
 
     one = np.empty((3, n), dtype=dt)
     for _ in range(_POLISH_ITERS):
-        scale, mn, _, ok = _fit_scale_min(sw, swx, *sums(round_to(), one).astype(np.float64))
-        ok &= ~flat
+        scale, mn, _, ok = _fit_scale_min(sw, swx, *sums(round_to(), one), nmax)
         best_s[ok] = scale[ok]
         best_m[ok] = mn[ok]
     round_to()
-
-    # A flat block is a constant v <= 0: level 0 with zero point 1 gives (0 - 1) * -v = v.
-    best_s[flat] = -xmin[flat]
-    lv[:, flat] = 0.0
-    zp = -best_m * _inv(best_s, np.float64)
-    zp[flat] = np.where(xmin[flat] < 0, 1.0, 0.0)
+    # The fit already keeps it in [0, nmax]; the clip only absorbs float round-off.
+    zp = np.clip(-best_m * _inv(best_s, dt), 0.0, nmax)
     return lv, best_s, zp
 
 
@@ -304,7 +328,7 @@ def _solve_int_zero(
     dt, n = x.dtype, x.shape[1]
     cols = np.arange(n)
     # An integer zero point must land in [0, nmax], so the range covers 0 from both sides.
-    xmin = np.minimum(x.min(axis=0), 0.0).astype(np.float64)
+    xmin = np.minimum(x.min(axis=0), 0.0)
     rng = np.maximum(x.max(axis=0), 0.0) - xmin
     flat = ~(rng > 0)
     y = x * _inv(rng, dt)  # a candidate's codes are rint(y * mult) + its zero point
@@ -319,7 +343,7 @@ def _solve_int_zero(
     def levels(y: np.ndarray, mult: float, zp: np.ndarray) -> np.ndarray:
         return _levels(y, mult, (-zp).astype(dt), (nmax - zp).astype(dt), d)
 
-    frac = -xmin * _inv(rng, np.float64)  # where 0 sits in the block's range
+    frac = -xmin * _inv(rng, dt)  # where 0 sits in the block's range
     best_s = rng / nmax
     best_z = np.clip(np.rint(frac * nmax), 0, nmax)
     if mults:
@@ -327,7 +351,7 @@ def _solve_int_zero(
         acc = np.empty((len(mults), 2, n), dtype=dt)
         for c, mult in enumerate(mults):
             sums(levels(y, mult, zps[c]), acc[c])
-        s, gain, ok = _fit_scale(*acc.astype(np.float64).transpose(1, 0, 2))
+        s, gain, ok = _fit_scale(*acc.transpose(1, 0, 2))
         ok &= s > 0
         k, found = _pick(gain, ok)
         best_s = np.where(found, s[k, cols], best_s)
@@ -339,7 +363,7 @@ def _solve_int_zero(
 
     one = np.empty((2, n), dtype=dt)
     for _ in range(_POLISH_ITERS):
-        s, _, ok = _fit_scale(*sums(round_to(), one).astype(np.float64))
+        s, _, ok = _fit_scale(*sums(round_to(), one))
         ok &= (s > 0) & ~flat
         best_s[ok] = s[ok]
     codes = round_to()
@@ -370,12 +394,12 @@ def _solve_symmetric(
         _wsum(wx, lv, out=out[1])
         return out
 
-    best_s = -vmax.astype(np.float64) / half
+    best_s = -vmax / half
     if mults:
         acc = np.empty((len(mults), 2, n), dtype=dt)
         for c, mult in enumerate(mults):
             sums(_levels(y, -mult, -half, half - 1, lv), acc[c])
-        s, gain, ok = _fit_scale(*acc.astype(np.float64).transpose(1, 0, 2))
+        s, gain, ok = _fit_scale(*acc.transpose(1, 0, 2))
         k, found = _pick(gain, ok)
         best_s = np.where(found, s[k, cols], best_s)
 
@@ -384,7 +408,7 @@ def _solve_symmetric(
 
     one = np.empty((2, n), dtype=dt)
     for _ in range(_POLISH_ITERS):
-        s, _, ok = _fit_scale(*sums(round_to(), one).astype(np.float64))
+        s, _, ok = _fit_scale(*sums(round_to(), one))
         ok &= ~flat
         best_s[ok] = s[ok]
     codes = round_to()

@@ -1,0 +1,20 @@
+"""`make demo` runs `bitpress demo`: it must work on a fresh checkout with the native plugins."""
+
+from __future__ import annotations
+
+from bitpress.cli import main
+
+
+def test_demo_reports_every_native_algorithm(tmp_path, capsys):
+    assert main(["demo", "--output", str(tmp_path / "demo"), "--preset", "tiny"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0] + "/" + line.split()[1] for line in out.splitlines()[2:] if line[:1].isalpha()}
+    assert {"rtn/int8", "rtn/int4", "nf4/nf4"} <= rows, out
+    assert (tmp_path / "demo" / "rtn-int4" / "model.onnx").is_file()
+    # the error column is a number, and int8 beats int4
+    errs = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if parts and parts[0] == "rtn":
+            errs[parts[1]] = float(parts[-2])
+    assert errs["int8"] < errs["int4"], out
