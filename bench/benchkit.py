@@ -18,6 +18,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -313,6 +314,7 @@ class _Tensors:
         self.proto = onnx.load(str(path), load_external_data=load_external)
         self.inits = {t.name: t for t in self.proto.graph.initializer}
         self.producers = {o: n for n in self.proto.graph.node for o in n.output}
+        self.by_name = {n.name: n for n in self.proto.graph.node if n.name}
 
     def array(self, name: str) -> np.ndarray:
         import onnx
@@ -327,10 +329,24 @@ class _Tensors:
                          offset=int(info.get("offset", 0)), shape=tuple(t.dims))
 
 
-def _float_weight(orig: _Tensors, out_name: str, op_type: str) -> np.ndarray | None:
-    """The float weight (as ``[K, N]`` for MatMul-like ops, ``[vocab, hidden]`` for Gather) of the
-    original node that produced ``out_name``."""
-    node = orig.producers.get(out_name) or orig.producers.get(out_name.removesuffix("_MatMulNBits"))
+def _original_node(orig: _Tensors, qnode: Any) -> Any:
+    """The float model's node a quantized node replaced: by name (every tool names it
+    ``<original name>_Q<bits>``), else by output name, with the tools' suffixes stripped."""
+    name = re.sub(r"_Q\d+$", "", qnode.name)
+    if name and name in orig.by_name:
+        return orig.by_name[name]
+    out = qnode.output[0]
+    for candidate in (out, re.sub(r"_Q\d+$", "", out), out.removesuffix("_MatMulNBits")):
+        if candidate in orig.producers:
+            return orig.producers[candidate]
+    return None
+
+
+def _float_weight(orig: _Tensors, qnode: Any) -> np.ndarray | None:
+    """The float weight (as ``[K, N]`` for MatMul-like ops, ``[vocab, hidden]`` for Gather) that
+    ``qnode`` replaced."""
+    node = _original_node(orig, qnode)
+    op_type = qnode.op_type
     if node is None:
         return None
     if op_type == "GatherBlockQuantized":
@@ -414,7 +430,7 @@ def weight_error(float_model: Path, quant_model: Path) -> dict[str, Any]:
         if node.op_type not in ("MatMulNBits", "GatherBlockQuantized"):
             continue
         counts[node.op_type] = counts.get(node.op_type, 0) + 1
-        w = _float_weight(orig, node.output[0], node.op_type)
+        w = _float_weight(orig, node)
         if w is None:
             unmatched += 1
             continue

@@ -279,6 +279,9 @@ def _report(result: Any, as_json: bool) -> None:
     total = sum(result.seconds.values())
     print(f"wrote {result.output} ({_mb(result.output_bytes)}, {ratio:.2f}x smaller than "
           f"{_mb(result.input_bytes)}) in {total:.1f} s")
+    for name, src, rep in result.reports:
+        summary = rep.summary() if hasattr(rep, "summary") else str(rep)
+        print(f"  {name} on {Path(src).name}: {summary}")
     for f in result.files:
         print(f"  {f}")
 

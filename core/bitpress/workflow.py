@@ -57,6 +57,8 @@ class RunResult:
     seconds: dict[str, float]
     input_bytes: int
     output_bytes: int
+    #: (pass name, model source, report) for passes that report (weight-only passes do)
+    reports: list[tuple[str, Path, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -65,6 +67,10 @@ class RunResult:
             "seconds": self.seconds,
             "input_bytes": self.input_bytes,
             "output_bytes": self.output_bytes,
+            "reports": [
+                {"pass": name, "model": str(src), "summary": rep.summary() if hasattr(rep, "summary") else str(rep)}
+                for name, src, rep in self.reports
+            ],
         }
 
 
@@ -209,7 +215,7 @@ def run_workflow(
                 break
     in_bytes = _size_of(src)
     out_bytes = sum(f.stat().st_size for f in final_files if f.is_file())
-    return RunResult(wf.output, final_files, seconds, in_bytes, out_bytes)
+    return RunResult(wf.output, final_files, seconds, in_bytes, out_bytes, list(context.extras.get("reports", [])))
 
 
 def _run_passes(

@@ -394,6 +394,7 @@ class Writer:
         self.replace: dict[int, list[onnx.NodeProto]] = {}  # id(old node) -> new nodes
         self.drop: set[int] = set()
         self.new_inits: list[onnx.TensorProto] = []
+        self.stored_bytes = 0  # integers, scales and zero points written
 
     def write(self, res: Result) -> None:
         g = res.group
@@ -448,6 +449,8 @@ class Writer:
                 self.replace[id(u.node)] = ([*pre] if i == 0 else []) + [node]
 
     def _add(self, name: str, array: np.ndarray) -> None:
+        if array.dtype != np.int64:  # not the Reshape target shape
+            self.stored_bytes += array.nbytes
         self.new_inits.append(self.model.make_tensor(name, array))
 
     def _matmul(self, u: Use, mt: layout.MatMulNBitsTensors, b: str, s: str, z: str) -> None:
@@ -490,8 +493,22 @@ class Report:
     quantized: int = 0
     skipped: dict[str, str] = field(default_factory=dict)
     errors: dict[str, float] = field(default_factory=dict)  # weight -> relative error
-    input_weight_bytes: int = 0
-    output_weight_bytes: int = 0
+    weights: int = 0  # float weights quantized
+    stored_bytes: int = 0  # bytes of integers, scales and zero points written for them
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.stored_bytes / self.weights if self.weights else 0.0
+
+    def summary(self) -> str:
+        text = f"quantized {self.quantized} weights ({self.bits_per_weight:.2f} bits per weight)"
+        if self.errors:
+            worst = max(self.errors.items(), key=lambda kv: kv[1])
+            mean = sum(self.errors.values()) / len(self.errors)
+            text += f", relative weight error mean {mean:.4f}, worst {worst[1]:.4f} ({worst[0]})"
+        if self.skipped:
+            text += f"; {len(self.skipped)} left in float (see -v)"
+        return text
 
 
 def quantize_weights(
@@ -536,9 +553,11 @@ def quantize_weights(
                 with lock:
                     writer.write(res)
                 report.quantized += 1
+                report.weights += res.blocks.q.shape[0] * res.k
                 report.errors[res.group.weight] = res.error
                 advance(1)
     writer.finish()
+    report.stored_bytes = writer.stored_bytes
     return report
 
 
@@ -571,12 +590,7 @@ class WeightOnlyPass(Pass):
             model, self.options, self.solver(), context, float_zero_points=self.float_zero_points()
         )
         context.extras.setdefault("reports", []).append((self.name, model.source, report))
-        if report.errors:
-            worst = max(report.errors.items(), key=lambda kv: kv[1])
-            log.info(
-                "%s: quantized %d weights, skipped %d; worst relative error %.4f (%s)",
-                self.name, report.quantized, len(report.skipped), worst[1], worst[0],
-            )
+        log.info("%s: %s", self.name, report.summary())
         return model
 
 

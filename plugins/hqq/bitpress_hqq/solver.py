@@ -150,7 +150,9 @@ def hqq_solver(
         j1 = min(j0 + per_chunk, n)
         wc = xp.asarray(w2[j0:j1])  # float32; never written to (w must stay untouched)
         hc = None if h is None else xp.asarray(h[np.arange(j0, j1) % n_blocks])
-        qc, sc, zc = _solve_chunk(xp, wc, hc, cfg)
+        # Blocks of tiny weights can overflow a ** (2 - p) to inf, which is handled (no cap)
+        with np.errstate(over="ignore"):
+            qc, sc, zc = _solve_chunk(xp, wc, hc, cfg)
         q[j0:j1], scales[j0:j1], zeros[j0:j1] = xp.to_numpy(qc), xp.to_numpy(sc), xp.to_numpy(zc)
 
     if workers is None:

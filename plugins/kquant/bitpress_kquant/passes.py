@@ -1,0 +1,79 @@
+"""The k-quant passes: ``kquant`` (int4/int8) and ``q4_k_m`` (llama.cpp's mixture)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+from bitpress.onnx.weightonly import WeightOnlyOptions, WeightOnlyPass, plan
+from bitpress.options import option
+from bitpress.passes import PassContext
+from bitpress.quant.solver import BlockSolver
+from bitpress_kquant.recipe import HIGH_BITS, q4_k_m_overrides
+from bitpress_kquant.solver import kquant_solver
+
+
+@dataclass
+class KQuantOptions(WeightOnlyOptions):
+    block_size: int = option(32, "weights per block along K: a power of two from 16 to 256")
+    is_symmetric: bool = option(False, "symmetric search (no min); default: scale and min per block")
+    float_zero_points: bool = option(
+        True, "store the block minimum as a float zero point (4-bit MatMulNBits); false: uint8 zero points"
+    )
+    nstep: int = option(20, "candidate scales tried per block (llama.cpp make_qkx2_quants)")
+    rmin: float = option(-1.0, "first candidate offset of the scale sweep")
+    rdelta: float = option(0.1, "step between candidate offsets")
+
+
+class KQuantPass(WeightOnlyPass):
+    """llama.cpp's k-quant search (weighted least squares over candidate scales) per block."""
+
+    name = "kquant"
+    algorithms = ("kquant",)
+    precisions = ("int4", "int8")
+    summary = "llama.cpp k-quant search per block, float zero points, to MatMulNBits / GatherBlockQuantized"
+    Options: ClassVar[type] = KQuantOptions
+    aliases: ClassVar[tuple[str, ...]] = ("OnnxKQuantQuantization",)
+
+    def solver(self) -> BlockSolver:
+        o = self.options
+        return functools.partial(kquant_solver, nstep=o.nstep, rmin=o.rmin, rdelta=o.rdelta)
+
+
+@dataclass
+class Q4KMOptions(KQuantOptions):
+    high_bits_layers: int | None = option(
+        None, "number of decoder layers for llama.cpp's use_more_bits rule (default: inferred from names)"
+    )
+
+
+class Q4KMPass(KQuantPass):
+    """Q4_K_M: int4 k-quant, with int8 for the tensors llama.cpp's recipe protects.
+
+    The output head and the attention-value / FFN-down projections of the layers picked by
+    ``use_more_bits`` get 8 bits. The user's own ``overrides`` come first and win.
+    """
+
+    name = "q4_k_m"
+    algorithms = ("q4_k_m",)
+    precisions = ("int4",)
+    summary = "llama.cpp's Q4_K_M mixture: k-quant int4, int8 for the head, attn-v and ffn-down of chosen layers"
+    Options: ClassVar[type] = Q4KMOptions
+    aliases: ClassVar[tuple[str, ...]] = ()
+
+    def run(self, model: Any, context: PassContext) -> Any:
+        opts = self.options
+        groups = plan(model, opts).groups
+        names = sorted({n for g in groups for n in [g.weight, *(u.node.name for u in g.uses)] if n})
+        high = q4_k_m_overrides(names, opts.high_bits_layers)
+        overrides = dict(opts.overrides)
+        for g in groups:
+            # a tied / shared weight is one tensor: widen the whole group by its weight name
+            if any(n in high for n in [g.weight, *(u.node.name for u in g.uses)]):
+                overrides.setdefault(g.weight, {"bits": HIGH_BITS})
+        self.options = replace(opts, overrides=overrides)
+        try:
+            return super().run(model, context)
+        finally:
+            self.options = opts
