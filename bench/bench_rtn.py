@@ -43,7 +43,7 @@ MODELS = [
         "random Llama-like decoder: hidden 1024, 4 layers, GQA 16/4 heads, intermediate 2912, "
         "vocab 32000, untied LM head; one .onnx file",
         _preset_or("bench-447mb", {"hidden": 1024, "layers": 4, "vocab": 32000, "tied": False}),
-        repeats=3, eval_batch=4, eval_seq=64,
+        repeats=5, eval_batch=4, eval_seq=64,
     ),
     Model(
         "bench-4gb",
@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tools", nargs="+", choices=[t.name for t in TOOLS])
     p.add_argument("--variants", nargs="+", choices=[v.key for v in VARIANTS])
     p.add_argument("--keep-outputs", action="store_true", help="keep the quantized models in .work/out")
+    p.add_argument("--merge", action="store_true",
+                   help="replace only the rows this run measures in .work/results/rtn.json (implied by filters)")
     args = p.parse_args(argv)
     if not (OLIVE_VENV / "bin" / "olive").exists() and (not args.tools or "olive" in args.tools):
         print(f"{OLIVE_VENV}/bin/olive is missing: run `make -C bench olive-venv` first", file=sys.stderr)
@@ -186,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     result = benchkit.run_suite("rtn", MODELS, variants, TOOLS, only_models=args.models, only_tools=args.tools,
-                                keep_outputs=args.keep_outputs, extra=extra)
+                                keep_outputs=args.keep_outputs, extra=extra,
+                                merge=bool(args.merge or args.variants))
     result["ratios"] = ratios(result)
     result["targets"] = check_targets(result)
     (benchkit.RESULTS / "rtn.json").write_text(json.dumps(result, indent=1, default=str) + "\n")

@@ -497,7 +497,7 @@ class Row:
 def run_suite(
     suite: str, models: Sequence[Model], variants: Sequence[Variant], tools: Sequence[Tool], *,
     only_models: Iterable[str] | None = None, only_tools: Iterable[str] | None = None,
-    keep_outputs: bool = False, extra: dict[str, Any] | None = None,
+    keep_outputs: bool = False, extra: dict[str, Any] | None = None, merge: bool = False,
 ) -> dict[str, Any]:
     """Every tool on every model and variant; timed runs interleaved across tools, then quality."""
     chosen_models = [m for m in models if not only_models or m.name in set(only_models)]
@@ -561,9 +561,27 @@ def run_suite(
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{suite}.json"
+    if out.exists() and (only_models or only_tools or merge):
+        result = _merge(json.loads(out.read_text()), result, [m.name for m in models])
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"[bench] wrote {out}", flush=True)
     return result
+
+
+def _merge(old: dict[str, Any], new: dict[str, Any], model_order: list[str]) -> dict[str, Any]:
+    """``new`` rows replace the same (model, tool, variant) of an earlier, partial run; the rest stays."""
+    keys = {(r["model"], r["tool"], r["variant"]) for r in new["rows"]}
+    rows = [r for r in old.get("rows", []) if (r["model"], r["tool"], r["variant"]) not in keys] + new["rows"]
+    order = {name: i for i, name in enumerate(model_order)}
+    models = {m["name"]: m for m in old.get("models", [])} | {m["name"]: m for m in new["models"]}
+    tools = {t["name"]: t for t in old.get("tools", [])} | {t["name"]: t for t in new["tools"]}
+    variants = {v["key"]: v for v in old.get("variants", [])} | {v["key"]: v for v in new["variants"]}
+    return new | {
+        "rows": rows,
+        "models": sorted(models.values(), key=lambda m: order.get(m["name"], -1)),
+        "tools": list(tools.values()),
+        "variants": list(variants.values()),
+    }
 
 
 def _fresh(tool: Tool, job: Job) -> tuple[list[str], dict[str, str]] | None:

@@ -52,7 +52,9 @@ def _quantized(q: dict[str, Any]) -> str:
 def _model_table(result: dict[str, Any], model: str) -> str:
     rows = []
     labels = {v["key"]: v["key"] for v in result["variants"]}
-    for r in result["rows"]:
+    v_order = {v["key"]: i for i, v in enumerate(result["variants"])}
+    t_order = {t["name"]: i for i, t in enumerate(result["tools"])}
+    for r in sorted(result["rows"], key=lambda r: (v_order.get(r["variant"], 99), t_order.get(r["tool"], 99))):
         if r["model"] != model:
             continue
         q = r.get("quality") or {}

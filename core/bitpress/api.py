@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bitpress.data import DataConfig
 from bitpress.errors import BitpressError, PassNotFoundError
 from bitpress.models.base import ModelHandle
 from bitpress.onnx.save import SaveOptions
@@ -38,10 +39,15 @@ def quantize(
     external_data: bool | None = None,
     max_shard_size: int | None = None,
     check: bool = True,
+    data: Any = None,
     progress: Any = None,
     registry: Registry | None = None,
 ) -> RunResult:
-    """Quantize ``model`` with the pass that provides ``algorithm`` at ``precision``."""
+    """Quantize ``model`` with the pass that provides ``algorithm`` at ``precision``.
+
+    ``data``: calibration data for passes that use it (a :class:`bitpress.data.DataConfig`, a
+    source string such as ``"random"`` / ``"calib.npz"`` / ``"text.txt"``, or a mapping).
+    """
     registry = registry or get_registry()
     model_path = Path(model)
     cls = _select(registry, algorithm, precision, model_path)
@@ -50,6 +56,7 @@ def quantize(
         input=model_path, output=Path(output), steps=[step], components=components, jobs=jobs,
         overwrite=overwrite,
         save=SaveOptions(external_data=external_data, max_shard_size=max_shard_size, check=check),
+        data=None if data is None else DataConfig.from_value(data),
     )
     return run_workflow(wf, registry, progress=progress)
 

@@ -106,6 +106,11 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check", action="store_true",
                    help="skip the ONNX checker and ONNX Runtime load after saving")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    d = p.add_argument_group("calibration data (passes that need or use it)")
+    d.add_argument("--data", help="random, a .npz file or folder of .npz, or a .txt file (with a tokenizer)")
+    d.add_argument("--samples", type=int, default=8, help="calibration samples (default 8)")
+    d.add_argument("--seq-len", type=int, default=128, help="tokens per text sample (default 128)")
+    d.add_argument("--tokenizer", help="tokenizer.json (or its folder) for text data; default: the model's folder")
 
 
 def _size(text: str) -> int:
@@ -243,7 +248,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         args.model, args.output, algorithm=args.algorithm, precision=args.precision,
         options=_parse_kv(args.option), components=args.components, jobs=args.jobs,
         overwrite=args.overwrite, external_data=args.external_data,
-        max_shard_size=args.max_shard_size, check=not args.no_check, progress=_progress,
+        max_shard_size=args.max_shard_size, check=not args.no_check, data=_data(args), progress=_progress,
     )
     _report(result, args.json)
     return EXIT_OK
@@ -267,8 +272,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         save["check"] = False
     if save:
         config["save"] = save
+    if args.data:
+        config["data"] = _data(args)
     _report(run(config, progress=_progress), args.json)
     return EXIT_OK
+
+
+def _data(args: argparse.Namespace) -> dict[str, Any] | None:
+    if not args.data:
+        return None
+    return {"source": args.data, "samples": args.samples, "seq_len": args.seq_len, "tokenizer": args.tokenizer}
 
 
 def _report(result: Any, as_json: bool) -> None:

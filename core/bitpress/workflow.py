@@ -48,6 +48,7 @@ class Workflow:
     jobs: int | None = None
     overwrite: bool = False
     save: SaveOptions = field(default_factory=SaveOptions)
+    data: Any = None  # a bitpress.data.DataConfig for passes that use calibration data
 
 
 @dataclass
@@ -93,7 +94,7 @@ def load_config(path: Path) -> dict[str, Any]:
     return data
 
 
-_TOP_KEYS = {"input", "output", "passes", "components", "jobs", "overwrite", "save",
+_TOP_KEYS = {"input", "output", "passes", "components", "jobs", "overwrite", "save", "data",
              "input_model", "output_dir"}
 
 
@@ -137,9 +138,14 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
     comps = config.get("components")
     if isinstance(comps, str):
         comps = [comps]
+    data = None
+    if config.get("data") is not None:
+        from bitpress.data import DataConfig
+
+        data = DataConfig.from_value(config["data"])
     return Workflow(
         input=Path(src), output=Path(dst), steps=steps, components=comps,
-        jobs=config.get("jobs"), overwrite=bool(config.get("overwrite", False)), save=save_opts,
+        jobs=config.get("jobs"), overwrite=bool(config.get("overwrite", False)), save=save_opts, data=data,
     )
 
 
@@ -176,6 +182,11 @@ def run_workflow(
         target_kind = "onnx" if isinstance(model, OnnxPackage) else model.kind
         if target_kind not in kinds:
             raise UsageError(f"{step.label}: pass {step.pass_.name} does not accept {target_kind} models")
+        if step.pass_.needs_data and wf.data is None:
+            raise UsageError(
+                f"{step.label}: pass {step.pass_.name} needs calibration data: give --data "
+                "(random, a .npz file or folder, or a .txt file with a tokenizer) or 'data:' in the config"
+            )
 
     parent = wf.output.resolve().parent
     # folders this run creates for the output, deepest first: removed again if the run fails
@@ -183,7 +194,7 @@ def run_workflow(
     parent.mkdir(parents=True, exist_ok=True)
     tmp = parent / f".{wf.output.name}.bitpress-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
-    context = PassContext(workdir=tmp / "scratch")
+    context = PassContext(workdir=tmp / "scratch", data=wf.data)
     if wf.jobs:
         context.jobs = max(1, int(wf.jobs))
     if progress is not None:

@@ -2,16 +2,17 @@
 
 Measured on this machine (2 cores), relative Frobenius error ||W - Wq|| / ||W|| at 4 bits of a
 1024x1024 N(0, 1) matrix (seed 0) and a Student-t (3 d.o.f., seed 1) one with heavy tails.
-RTN = min/max asymmetric, ``zp = round(-min / s)`` (``_rtn`` below); "plain" is HQQ alone
+RTN = min/max asymmetric with integer ``zp = round(-min / s)`` (``_rtn`` below; the sym
+column uses ONNX Runtime's symmetric RTN against the symmetric variant); "plain" is HQQ alone
 (``refit_iters=0``), "full" the default (HQQ, then least-squares refits):
 
-    matrix      block | RTN int-zp | float-zp plain  full   | int-zp plain  full   | sym: RTN  full
-    gaussian    32    | 0.0808     | 0.0746          0.0720 | 0.0810        0.0778 | 0.0859    0.0829
-    gaussian    64    | 0.0911     | 0.0864          0.0838 | 0.0913        0.0882 | 0.0949    0.0922
-    gaussian    128   | 0.1005     | 0.0970          0.0940 | 0.1006        0.0972 | 0.1031    0.0996
-    student-t3  32    | 0.1019     | 0.0948          0.0913 | 0.1022        0.0991 | 0.1277    0.1244
-    student-t3  64    | 0.1300     | 0.1253          0.1202 | 0.1302        0.1266 | 0.1606    0.1551
-    student-t3  128   | 0.1640     | 0.1620          0.1534 | 0.1641        0.1579 | 0.1991    0.1878
+    matrix     block | RTN    | float-zp plain full   | int-zp plain full   | sym RTN  full
+    gaussian   32    | 0.0808 | 0.0746         0.0720 | 0.0810       0.0778 | 0.0859   0.0829
+    gaussian   64    | 0.0911 | 0.0864         0.0838 | 0.0913       0.0882 | 0.0949   0.0922
+    gaussian   128   | 0.1005 | 0.0970         0.0940 | 0.1006       0.0972 | 0.1031   0.0996
+    student-t3 32    | 0.1019 | 0.0948         0.0913 | 0.1022       0.0991 | 0.1277   0.1244
+    student-t3 64    | 0.1300 | 0.1253         0.1202 | 0.1302       0.1266 | 0.1606   0.1551
+    student-t3 128   | 0.1640 | 0.1620         0.1534 | 0.1641       0.1579 | 0.1991   0.1878
 
 Plain HQQ with a float zero point matches the ``hqq`` package (0.0859 here at block 64, 0.0860
 on 4096x4096); rounding its zero point to an integer throws the gain away (0.0913 vs RTN's
@@ -21,6 +22,7 @@ on 4096x4096); rounding its zero point to an integer throws the gain away (0.091
 
 from __future__ import annotations
 
+import itertools
 import tracemalloc
 
 import numpy as np
@@ -120,7 +122,7 @@ def test_refits_never_increase_the_error(matrices: dict[str, np.ndarray], mode: 
     # int-zp's first refit step also moves z from nearest to floor/ceil: start the chain there
     start = 1 if mode == "int-zp" else 0
     errs = [_rel(w, dequantize(hqq_solver(w, spec, refit_iters=k), 4)) for k in range(start, 9)]
-    assert all(b <= a * (1 + 1e-6) for a, b in zip(errs, errs[1:], strict=False)), errs
+    assert all(b <= a * (1 + 1e-6) for a, b in itertools.pairwise(errs)), errs
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
@@ -188,7 +190,7 @@ def test_degenerate_blocks(mode: str):
     _check_contract(blocks, spec, w.shape)
     err = np.abs(dequantize(blocks, 4) - w)
     assert err[0].max() == 0 and err[4].max() <= 1e-6
-    assert err[3].max() <= 1e-31
+    assert err[3].max() <= 0.1 * np.abs(w[3]).max()  # quantised at its own scale, not flushed
     if mode == "float-zp":  # a free offset reproduces any constant block
         assert err[1].max() <= 1e-6 and err[2].max() <= 1e-40
 
@@ -228,7 +230,7 @@ def test_bits_per_weight():
     ("shape", "spec", "kw", "match"),
     [
         ((4, 2, 32), BlockSpec(4, 64, False), {}, "block_size"),
-        ((4, 64), BlockSpec(4, 64, False), {}, "shape"),
+        ((4, 64), BlockSpec(4, 64, False), {}, "rows, n_blocks"),
         ((4, 2, 32), BlockSpec(1, 32, False), {}, "2..8"),
         ((4, 2, 32), BlockSpec(9, 32, False), {}, "2..8"),
         ((4, 2, 32), BlockSpec(4, 32, False), {"importance": np.ones(10)}, "importance"),

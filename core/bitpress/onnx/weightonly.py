@@ -19,11 +19,13 @@ once and the two nodes share the bytes.
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -576,9 +578,25 @@ class WeightOnlyPass(Pass):
     model_kinds: ClassVar[tuple[str, ...]] = ("onnx",)
     precisions: ClassVar[tuple[str, ...]] = ("int4", "int8")
     Options: ClassVar[type] = WeightOnlyOptions
+    #: the solver weights its error by activation statistics when calibration data is given
+    uses_importance: ClassVar[bool] = False
 
     def solver(self) -> BlockSolver:
         raise NotImplementedError
+
+    def _importance(self, model: OnnxModel, context: PassContext) -> dict[str, np.ndarray]:
+        from bitpress.data import DataConfig, iter_feeds
+        from bitpress.onnx.activations import channel_importance
+
+        readers = {
+            g.weight: [u.node.input[0] for u in g.uses if u.kind != "gather"] for g in plan(model, self.options).groups
+        }
+        readers = {w: acts for w, acts in readers.items() if acts}
+        feeds = iter_feeds(model.proto, DataConfig.from_value(context.data), model.source.parent)
+        if context.workdir is not None:
+            return channel_importance(model, readers, feeds, context.workdir)
+        with tempfile.TemporaryDirectory(prefix="bitpress-calibration-") as tmp:
+            return channel_importance(model, readers, feeds, Path(tmp))
 
     def float_zero_points(self) -> bool:
         return bool(getattr(self.options, "float_zero_points", False))
@@ -586,8 +604,12 @@ class WeightOnlyPass(Pass):
     def run(self, model: Any, context: PassContext) -> Any:
         if not isinstance(model, OnnxModel):
             raise QuantizationError(f"{self.name} quantizes ONNX models, got {model.kind}")
+        importance = None
+        if self.uses_importance and context.data is not None:
+            importance = self._importance(model, context)
         report = quantize_weights(
-            model, self.options, self.solver(), context, float_zero_points=self.float_zero_points()
+            model, self.options, self.solver(), context, float_zero_points=self.float_zero_points(),
+            importance=importance,
         )
         context.extras.setdefault("reports", []).append((self.name, model.source, report))
         log.info("%s: %s", self.name, report.summary())

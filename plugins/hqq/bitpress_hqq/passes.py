@@ -37,6 +37,7 @@ class HqqPass(WeightOnlyPass):
     summary = "half-quadratic quantization, calibration-free, float zero points, to MatMulNBits"
     Options: ClassVar[type] = HqqOptions
     aliases: ClassVar[tuple[str, ...]] = ("OnnxHqqQuantization",)
+    uses_importance = True  # weights the fit by activation statistics when --data is given
 
     def solver(self) -> BlockSolver:
         o = self.options

@@ -30,8 +30,8 @@ from bitpress.quant.solver import BlockSpec, QuantizedBlocks
 __all__ = ["bits_per_weight", "hqq_solver"]
 
 _F32 = np.float32
-# Floor for a block's scale: keeps 1/s finite for all-zero or subnormal blocks.
-_MIN_SCALE = 1e-30
+# Floor for a block's scale: keeps 1/s finite (< float32 max) for all-zero or subnormal blocks.
+_MIN_SCALE = 1e-36
 # Relative floor on importance so that no block's weights sum to zero.
 _MIN_IMPORTANCE = 1e-6
 # Torch chunks are larger: a GPU wants big kernels and has the memory for them.

@@ -35,6 +35,7 @@ class KQuantPass(WeightOnlyPass):
     summary = "llama.cpp k-quant search per block, float zero points, to MatMulNBits / GatherBlockQuantized"
     Options: ClassVar[type] = KQuantOptions
     aliases: ClassVar[tuple[str, ...]] = ("OnnxKQuantQuantization",)
+    uses_importance = True  # llama.cpp's imatrix: activation statistics when --data is given
 
     def solver(self) -> BlockSolver:
         o = self.options
