@@ -10,6 +10,7 @@ import onnx
 
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.models.package import OnnxPackage
+from bitpress.onnx.lazy_load import INLINE_PREFIX
 from bitpress.onnx.tensors import (
     external_ref,
     is_external,
@@ -38,7 +39,7 @@ def inspect_onnx(model: OnnxModel, *, check: bool = True) -> dict[str, Any]:
     data_files: Counter[str] = Counter()
     for t in iter_tensors(model.proto):
         by_dtype[onnx.TensorProto.DataType.Name(t.data_type).lower()] += tensor_nbytes(t)
-        if is_external(t):
+        if is_external(t) and not external_ref(t).location.startswith(INLINE_PREFIX):
             data_files[external_ref(t).location] += tensor_nbytes(t)
     checker = "skipped"
     if check:

@@ -14,6 +14,7 @@ from onnx import numpy_helper
 
 from bitpress.errors import ModelLoadError
 from bitpress.models.base import ModelHandle
+from bitpress.onnx.lazy_load import INLINE_PREFIX, load_lazy
 from bitpress.onnx.tensors import ExternalResolver, is_external, iter_tensors
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,11 @@ class OnnxModel(ModelHandle):
             raise ModelLoadError(f"{path} is a folder; expected an .onnx file")
         if path.stat().st_size == 0:
             raise ModelLoadError(f"{path} is empty; expected an ONNX model")
+        # weights stored inside the .onnx stay in the file until a pass reads them
+        location = f"{INLINE_PREFIX}{uuid.uuid4().hex}"
         try:
-            proto = onnx.load(str(path), load_external_data=False)
-        except (DecodeError, ValueError, RuntimeError, OSError) as exc:
+            proto = load_lazy(path, location)
+        except (DecodeError, ValueError, IndexError, RuntimeError, OSError) as exc:
             raise ModelLoadError(
                 f"{path} is not a valid ONNX model (truncated or another format): {_first_line(exc)}"
             ) from None
@@ -60,6 +63,7 @@ class OnnxModel(ModelHandle):
         if proto.ir_version <= 0 or not proto.opset_import or not proto.HasField("graph"):
             raise ModelLoadError(f"{path} is not a valid ONNX model (no IR version, opset or graph)")
         model = cls(proto, path)
+        model.resolver.extra[location] = path
         for tensor in iter_tensors(proto):
             if is_external(tensor):
                 model.resolver.validate(tensor)

@@ -8,7 +8,7 @@ class of ONNX vulnerabilities).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -171,6 +171,41 @@ class ExternalResolver:
             return np.memmap(path, dtype=dtype, mode="r", offset=ref.offset, shape=shape)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot read external data of {tensor.name!r} from {path}: {exc}") from None
+
+    def row_reader(self, tensor: onnx.TensorProto) -> Callable[[int, int], np.ndarray]:
+        """``read(r0, r1)`` -> rows ``r0:r1`` (first axis) of a tensor.
+
+        External data is read with ``pread`` into a fresh array (no memory map stays
+        resident); inline data is a read-only view of the bytes already in memory.
+        """
+        dtype = np_dtype(tensor)
+        shape = tuple(int(d) for d in tensor.dims)
+        row_elems = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+        if is_external(tensor) and tensor.data_type not in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+            path, ref = self.path(tensor)
+            row_bytes = row_elems * dtype.itemsize
+
+            def read(r0: int, r1: int) -> np.ndarray:
+                out = np.empty((r1 - r0, *shape[1:]), dtype)
+                view = memoryview(out.reshape(-1).view(np.uint8))
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    done, want, pos = 0, (r1 - r0) * row_bytes, ref.offset + r0 * row_bytes
+                    while done < want:
+                        n = os.preadv(fd, [view[done:]], pos + done)
+                        if n <= 0:
+                            raise ModelLoadError(f"external data of {tensor.name!r} in {path} is truncated")
+                        done += n
+                finally:
+                    os.close(fd)
+                return out
+
+            return read
+        if tensor.HasField("raw_data") and tensor.data_type not in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+            full = np.frombuffer(tensor.raw_data, dtype=dtype).reshape(shape)
+        else:
+            full = self.read(tensor)
+        return lambda r0, r1: full[r0:r1]
 
     def read_bytes(self, tensor: onnx.TensorProto) -> bytes:
         path, ref = self.path(tensor)

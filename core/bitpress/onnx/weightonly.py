@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 #: float32 elements per chunk handed to a solver (bounds memory per tensor in flight)
-CHUNK_ELEMENTS = 8 << 20
+CHUNK_ELEMENTS = 1 << 20  # 4 MB of float32: small enough for the allocator to reuse (no page-fault storms)
 
 
 # -- options -----------------------------------------------------------------------------------
@@ -300,33 +300,49 @@ class Result:
     error: float  # relative Frobenius error of the dequantized weight
 
 
-def iter_row_chunks(model: OnnxModel, group: Group) -> Iterator[tuple[int, int, np.ndarray]]:
-    """Yield ``(row0, row1, w)`` with float32 ``w [rows, K]`` in the quantization orientation.
+@dataclass
+class Chunk:
+    """A slab of one weight in quantization orientation: ``w [rows, blocks, block_size]``."""
 
-    Reads at most ``CHUNK_ELEMENTS`` weights at a time; memory-mapped views are dropped after
-    each chunk so resident memory stays bounded on big models.
+    rows: slice
+    blocks: slice
+    w: np.ndarray  # float32, K padded with zeros in the last block
+    k_valid: int  # real (unpadded) K elements in this chunk
+
+
+def iter_chunks(model: OnnxModel, group: Group) -> Iterator[Chunk]:
+    """Read a weight in slabs of at most ``CHUNK_ELEMENTS`` elements.
+
+    Row-oriented weights (tables, ``[N, K]`` Gemm/Transpose sources) are read as row ranges;
+    ``[K, N]`` MatMul weights as bands of whole blocks along K (contiguous rows of the stored
+    tensor), transposed in memory. Reads are explicit (no memory map left behind), so resident
+    memory stays at a few slabs per worker however large the model.
     """
     tensor = model.initializers()[group.weight]
     a, b = (int(d) for d in tensor.dims)
-    by_rows = group.uses[0].rows_are_table_rows
-    rows, k = (a, b) if by_rows else (b, a)
-    if by_rows:
+    bs = group.block_size
+    reader = model.resolver.row_reader(tensor)
+    if group.uses[0].rows_are_table_rows:
+        rows, k = a, b
+        n_blocks = -(-k // bs)
         step = max(1, CHUNK_ELEMENTS // max(k, 1))
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            src = model.array(tensor)
-            chunk = np.asarray(src[r0:r1], dtype=np.float32)
-            del src
-            yield r0, r1, chunk
+            w = reader(r0, r1).astype(np.float32, copy=False)
+            if n_blocks * bs != k:
+                w = np.pad(w, ((0, 0), (0, n_blocks * bs - k)))
+            yield Chunk(slice(r0, r1), slice(0, n_blocks), w.reshape(r1 - r0, n_blocks, bs), k)
     else:
-        # B [K, N]: the N rows of B^T; read whole column bands (contiguous row ranges of B)
-        step = max(1, CHUNK_ELEMENTS // max(k, 1))
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            src = model.array(tensor)
-            chunk = np.ascontiguousarray(np.asarray(src[:, r0:r1], dtype=np.float32).T)
-            del src
-            yield r0, r1, chunk
+        k, rows = a, b
+        n_blocks = -(-k // bs)
+        blocks_per_step = max(1, CHUNK_ELEMENTS // max(rows * bs, 1))
+        for b0 in range(0, n_blocks, blocks_per_step):
+            b1 = min(n_blocks, b0 + blocks_per_step)
+            k0, k1 = b0 * bs, min(k, b1 * bs)
+            band = reader(k0, k1).astype(np.float32, copy=False)  # [k1 - k0, N]
+            w = np.zeros((rows, (b1 - b0) * bs), np.float32)
+            w[:, : k1 - k0] = band.T
+            yield Chunk(slice(0, rows), slice(b0, b1), w.reshape(rows, b1 - b0, bs), k1 - k0)
 
 
 def solve_group(
@@ -354,24 +370,26 @@ def solve_group(
     if importance is not None and importance.shape[0] != k:
         importance = None
     imp = None if importance is None else np.pad(importance.astype(np.float32), (0, n_blocks * bs - k))
-    for r0, r1, w in iter_row_chunks(model, group):
-        if not np.isfinite(w).all():
+    for c in iter_chunks(model, group):
+        w3 = c.w
+        if not np.isfinite(w3).all():
             raise QuantizationError(f"weight {group.weight} holds NaN or infinite values; cannot quantize it")
-        if n_blocks * bs != k:
-            w = np.pad(w, ((0, 0), (0, n_blocks * bs - k)))
-        w3 = w.reshape(r1 - r0, n_blocks, bs)
-        out = solver(w3, spec, imp)
+        imp_c = None if imp is None else imp[c.blocks.start * bs : c.blocks.stop * bs]
+        out = solver(w3, spec, imp_c)
         _check_solver_output(out, w3.shape, spec, group.weight)
-        q[r0:r1] = out.q
-        scales[r0:r1] = out.scales
+        q[c.rows, c.blocks] = out.q
+        scales[c.rows, c.blocks] = out.scales
         if zps is not None:
             if out.zero_points is None:
                 raise QuantizationError(f"solver returned no zero points for asymmetric {group.weight}")
-            zps[r0:r1] = out.zero_points
+            zps[c.rows, c.blocks] = out.zero_points
         deq = (out.q.astype(np.float32) - out.implied_zero_points(spec.bits)[..., None]) * out.scales[..., None]
-        diff = (deq - w3).reshape(r1 - r0, -1)[:, :k]
+        nrows = w3.shape[0]
+        diff = (deq - w3).reshape(nrows, -1)[:, : c.k_valid]
+        wv = w3.reshape(nrows, -1)[:, : c.k_valid]
         err_num += float(np.einsum("ij,ij->", diff, diff))
-        err_den += float(np.einsum("ij,ij->", w[:, :k], w[:, :k]))
+        err_den += float(np.einsum("ij,ij->", wv, wv))
+        del out, deq, diff
     blocks = QuantizedBlocks(q, scales, zps)
     return Result(group, blocks, k, dtype, (err_num / err_den) ** 0.5 if err_den else 0.0)
 
