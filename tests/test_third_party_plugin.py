@@ -111,7 +111,7 @@ def test_installed_plugin_is_listed(venv: Venv) -> None:
 
     listing = venv.bitpress("passes", "list").stdout.splitlines()
     row = next(line for line in listing if line.startswith("pow2 "))
-    assert row.split() == ["pow2", "pow2", "pow2", "int4", "onnx", "no", "yes"]
+    assert row.split() == ["pow2", "pow2", "pow2", "int4", "onnx", "no", "here", "yes"]
     shown = venv.bitpress("passes", "show", "pow2").stdout
     assert "symmetric blocks (no zero points stored)" in shown and "block_size" in shown
 

@@ -60,6 +60,23 @@ def _parser() -> argparse.ArgumentParser:
     ps.set_defaults(func=_cmd_passes_show)
     passes.set_defaults(func=_cmd_passes_list, json=False)
 
+    env = sub.add_parser("env", help="virtual environments of their own for plugins (conflicting toolkits)")
+    esub = env.add_subparsers(dest="env_command")
+    ec = esub.add_parser("create", help="build the environment of a plugin (host + plugin + its toolkit)")
+    ec.add_argument("plugin", help="the plugin's name, e.g. quark")
+    ec.add_argument("--spec", action="append", default=[], metavar="PIP_SPEC",
+                    help="what to pip install instead of the plugin's default (repeatable): a name, a folder, a wheel")
+    ec.add_argument("--python", help="base interpreter of the environment (default: this one)")
+    ec.add_argument("--force", action="store_true", help="rebuild an environment that exists")
+    ec.set_defaults(func=_cmd_env_create)
+    el = esub.add_parser("list", help="the environments, their passes and state")
+    el.add_argument("--json", action="store_true")
+    el.set_defaults(func=_cmd_env_list)
+    er = esub.add_parser("remove", help="delete the environment of a plugin")
+    er.add_argument("plugin")
+    er.set_defaults(func=_cmd_env_remove)
+    env.set_defaults(func=_cmd_env_list, json=False)
+
     pg = sub.add_parser("plugins", help="installed plugins, versions, broken ones")
     pg.add_argument("--json", action="store_true")
     pg.set_defaults(func=_cmd_plugins)
@@ -87,6 +104,23 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--no-check", action="store_true", help="skip the ONNX checker")
     i.set_defaults(func=_cmd_inspect)
 
+    ev = sub.add_parser("eval", help="compare a quantized model with its float reference (errors, perplexity, SQNR)")
+    ev.add_argument("quantized", type=Path, help="the quantized .onnx file or ONNX folder")
+    ev.add_argument("--reference", required=True, type=Path, help="the float .onnx file or folder it came from")
+    ev.add_argument("--data", help="inputs to compare on: random (default), a .npz file or folder, a .txt (tokenizer)")
+    ev.add_argument("--samples", type=int, default=8, help="model runs to compare (default 8)")
+    ev.add_argument("--seq-len", type=int, default=128, help="tokens per sample / perplexity window (default 128)")
+    ev.add_argument("--batch", type=int, default=1, help="samples per run (default 1)")
+    ev.add_argument("--seed", type=int, default=0, help="seed of random inputs (default 0)")
+    ev.add_argument("--text", type=Path, help="text file: perplexity of both models on it (needs a tokenizer)")
+    ev.add_argument("--tokenizer", help="tokenizer.json or its folder (default: the models' folders)")
+    ev.add_argument("--max-windows", type=int, help="perplexity on at most this many windows (default: all)")
+    ev.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (default 1)")
+    ev.add_argument("--no-weights", action="store_true", help="skip the per-tensor weight error (SQNR)")
+    ev.add_argument("--json", action="store_true", help="print the result as JSON")
+    ev.add_argument("--html", type=Path, metavar="REPORT.html", help="also write a self-contained HTML report")
+    ev.set_defaults(func=_cmd_eval)
+
     d = sub.add_parser("demo", help="build a small model, quantize it, report size/time/error")
     d.add_argument("--output", type=Path, default=Path("demo-out"))
     d.add_argument("--preset", default="demo")
@@ -106,6 +140,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check", action="store_true",
                    help="skip the ONNX checker and ONNX Runtime load after saving")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--env-timeout", type=float, metavar="SECONDS",
+                   help="kill a pass running in a plugin environment after this long (default: none)")
     d = p.add_argument_group("calibration data (passes that need or use it)")
     d.add_argument("--data", help="random, a .npz file or folder of .npz, or a .txt file (with a tokenizer)")
     d.add_argument("--samples", type=int, default=8, help="calibration samples (default 8)")
@@ -146,6 +182,8 @@ def _registry():
 
 
 def _pass_rows() -> list[dict[str, Any]]:
+    from bitpress.envs import where
+
     reg = _registry()
     rows = []
     for cls in sorted(reg.passes.values(), key=lambda c: (c.plugin, c.name)):
@@ -154,13 +192,13 @@ def _pass_rows() -> list[dict[str, Any]]:
             "pass": cls.name, "plugin": cls.plugin, "algorithms": list(cls.algorithms),
             "precisions": list(cls.precisions), "model_kinds": list(cls.model_kinds),
             "needs_data": cls.needs_data, "available": reason is None, "reason": reason,
-            "summary": cls.summary,
+            "summary": cls.summary, "where": where(cls),
         })
     for info in reg.broken():
         rows.append({
             "pass": "?", "plugin": info.name, "algorithms": [], "precisions": [], "model_kinds": [],
             "needs_data": None, "available": False, "reason": f"plugin failed to load: {info.error}",
-            "summary": "",
+            "summary": "", "where": "here",
         })
     return rows
 
@@ -170,11 +208,11 @@ def _cmd_passes_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
-    table = [["PASS", "PLUGIN", "ALGORITHMS", "PRECISIONS", "MODELS", "DATA", "AVAILABLE"]]
+    table = [["PASS", "PLUGIN", "ALGORITHMS", "PRECISIONS", "MODELS", "DATA", "WHERE", "AVAILABLE"]]
     for r in rows:
         table.append([
             r["pass"], r["plugin"], ",".join(r["algorithms"]), ",".join(r["precisions"]),
-            ",".join(r["model_kinds"]), {True: "yes", False: "no", None: "?"}[r["needs_data"]],
+            ",".join(r["model_kinds"]), {True: "yes", False: "no", None: "?"}[r["needs_data"]], r["where"],
             "yes" if r["available"] else f"no: {r['reason']}",
         ])
     _print_table(table)
@@ -184,25 +222,37 @@ def _cmd_passes_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_passes_show(args: argparse.Namespace) -> int:
+    from bitpress.envs import where
+    from bitpress.options import OptionInfo
+
     reg = _registry()
     cls = reg.passes.get(args.name)
     if cls is None:
         from bitpress.errors import PassNotFoundError
 
         raise PassNotFoundError(f"no pass named {args.name!r}; see `bitpress passes list`")
-    opts = describe(cls.Options)
+    runs = where(cls)
+    entry = getattr(cls, "manifest_entry", None)
+    if runs != "here" and entry:
+        # a pass of another environment: its option types and defaults as that environment described them
+        opts = [OptionInfo(o["name"], o.get("type", "?"), o.get("default"), o.get("help", ""))
+                for o in entry.get("options") or []]
+    else:
+        opts = describe(cls.Options)
     if args.json:
         print(json.dumps({
             "pass": cls.name, "plugin": cls.plugin, "summary": cls.summary,
             "algorithms": list(cls.algorithms), "precisions": list(cls.precisions),
             "model_kinds": list(cls.model_kinds), "needs_data": cls.needs_data,
-            "unavailable": cls.unavailable_reason(),
+            "unavailable": cls.unavailable_reason(), "where": runs,
             "options": [{"name": o.name, "type": o.type, "default": o.default, "help": o.help} for o in opts],
         }, indent=2, default=str))
         return EXIT_OK
     print(f"{cls.name} (plugin {cls.plugin}): {cls.summary}")
     print(f"  algorithms: {', '.join(cls.algorithms)}   precisions: {', '.join(cls.precisions)}")
     print(f"  models: {', '.join(cls.model_kinds)}   needs data: {'yes' if cls.needs_data else 'no'}")
+    if runs != "here":
+        print(f"  runs in: {runs}")
     reason = cls.unavailable_reason()
     if reason:
         print(f"  unavailable: {reason}")
@@ -249,6 +299,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         options=_parse_kv(args.option), components=args.components, jobs=args.jobs,
         overwrite=args.overwrite, external_data=args.external_data,
         max_shard_size=args.max_shard_size, check=not args.no_check, data=_data(args), progress=_progress,
+        env_timeout=args.env_timeout,
     )
     _report(result, args.json)
     return EXIT_OK
@@ -274,6 +325,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         config["save"] = save
     if args.data:
         config["data"] = _data(args)
+    if args.env_timeout is not None:
+        config["env_timeout"] = args.env_timeout
     _report(run(config, progress=_progress), args.json)
     return EXIT_OK
 
@@ -299,6 +352,47 @@ def _report(result: Any, as_json: bool) -> None:
         print(f"  {f}")
 
 
+def _cmd_env_create(args: argparse.Namespace) -> int:
+    import time
+
+    from bitpress.envs import create_env, envs_root
+
+    start = time.perf_counter()
+    print(f"building the environment for {args.plugin} in {envs_root()} (pip's output follows; "
+          "large toolkits take minutes)", file=sys.stderr)
+    info = create_env(args.plugin, args.spec or None, args.python, force=args.force,
+                      echo=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    passes = ", ".join(info.passes) or "none"
+    print(f"created environment {info.name} at {info.path} in {time.perf_counter() - start:.0f} s; passes: {passes}")
+    return EXIT_OK
+
+
+def _cmd_env_list(args: argparse.Namespace) -> int:
+    from bitpress.envs import envs_root, list_envs
+
+    rows = [e.to_json() for e in list_envs()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    if not rows:
+        print(f"no plugin environments in {envs_root()}; create one with: bitpress env create PLUGIN")
+        return EXIT_OK
+    table = [["ENV", "PASSES", "PYTHON", "HOST", "CREATED", "STATUS", "PATH"]]
+    for r in rows:
+        table.append([r["env"], ",".join(r["passes"]) or "-", r["python_version"] or "?", r["host_version"] or "?",
+                      r["created"] or "?", f"broken: {r['problem']}" if r["problem"] else "ok", r["path"]])
+    _print_table(table)
+    return EXIT_OK
+
+
+def _cmd_env_remove(args: argparse.Namespace) -> int:
+    from bitpress.envs import remove_env
+
+    path = remove_env(args.plugin)
+    print(f"removed environment {args.plugin} ({path})")
+    return EXIT_OK
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from bitpress.api import load_model
     from bitpress.inspect_model import inspect_path
@@ -316,6 +410,27 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print("  weights: " + ", ".join(f"{k} {_mb(v)}" for k, v in rep["weight_bytes_by_dtype"].items()))
         if rep["external_data"]:
             print("  external data: " + ", ".join(f"{k} ({_mb(v)})" for k, v in rep["external_data"].items()))
+    return EXIT_OK
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from bitpress.api import evaluate
+    from bitpress.evaluate.report import text_lines
+
+    result = evaluate(
+        args.quantized, args.reference, data=args.data, samples=args.samples, seq_len=args.seq_len,
+        batch=args.batch, seed=args.seed, text=args.text, tokenizer=args.tokenizer, max_windows=args.max_windows,
+        threads=args.threads, weights=not args.no_weights, progress=_progress,
+    )
+    if args.html:
+        result.write_html(args.html)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        for line in text_lines(result):
+            print(line)
+        if args.html:
+            print(f"wrote {args.html}")
     return EXIT_OK
 
 

@@ -48,11 +48,16 @@ class Registry:
         self.plugins: dict[str, PluginInfo] = {}
         self.passes: dict[str, type[Pass]] = {}
         from bitpress import builtin
+        from bitpress.envs import remote
 
         self.pm.register(builtin, name="bitpress.builtin")
+        # runs proxies and passes pinned to a plugin environment; returns None for all others
+        self.pm.register(remote, name="bitpress.envs")
         if entry_points:
             for ep in md.entry_points(group=ENTRY_POINT_GROUP):
                 self._load_entry_point(ep)
+            # passes that cannot run here but can in a plugin environment (bitpress env create)
+            remote.add_env_passes(self)
 
     # -- loading ---------------------------------------------------------------------------
     def _load_entry_point(self, ep: md.EntryPoint) -> None:

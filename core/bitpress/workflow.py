@@ -94,7 +94,7 @@ def load_config(path: Path) -> dict[str, Any]:
     return data
 
 
-_TOP_KEYS = {"input", "output", "passes", "components", "jobs", "overwrite", "save", "data",
+_TOP_KEYS = {"input", "output", "passes", "components", "jobs", "overwrite", "save", "data", "env_timeout",
              "input_model", "output_dir"}
 
 
@@ -127,9 +127,23 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
         options = entry.pop("options", {}) or {}
         if not isinstance(options, dict):
             raise ConfigError(f"{label}: 'options' must be a mapping")
+        # where the pass runs: `here` or a plugin environment (bitpress env create); default: where it can
+        env = entry.pop("env", None)
+        env_timeout = entry.pop("env_timeout", config.get("env_timeout"))
         options = {**entry, **options}
-        cls = _resolve_pass(registry, kind, precision)
-        steps.append(PassStep(cls.from_config(options, precision), label))
+        if env is None:
+            cls = _resolve_pass(registry, kind, precision)
+        else:
+            from bitpress.envs import pinned_pass
+
+            cls = pinned_pass(registry, env, kind, precision, _resolve_pass)
+        pass_ = cls.from_config(options, precision)
+        if env_timeout is not None:
+            from bitpress.envs.remote import parse_timeout
+
+            # seconds; only used when the pass runs in a plugin environment
+            pass_.env_timeout = parse_timeout(env_timeout, f"{label}: env_timeout")  # type: ignore[attr-defined]
+        steps.append(PassStep(pass_, label))
     save = config.get("save") or {}
     try:
         save_opts = SaveOptions(**save)

@@ -1,0 +1,30 @@
+"""Plugin environments: run a plugin's passes in a virtual environment of its own.
+
+Vendor toolkits pin conflicting versions of numpy, onnx and onnxruntime, so one Python
+environment cannot hold them all. ``bitpress env create PLUGIN`` builds a virtual environment
+with the host and that plugin (:mod:`bitpress.envs.manager`); the host here then offers the
+plugin's passes as proxies and runs them there, exchanging models as files
+(:mod:`bitpress.envs.remote`, :mod:`bitpress.envs.worker`). See docs/environments.md.
+"""
+
+from bitpress.envs.manager import EnvInfo, create_env, get_env, install_args, list_envs, remove_env
+from bitpress.envs.protocol import HERE, EnvError, WorkerError, WorkerTimeoutError, envs_root
+from bitpress.envs.remote import EnvPass, add_env_passes, pinned_pass, where
+
+__all__ = [
+    "HERE",
+    "EnvError",
+    "EnvInfo",
+    "EnvPass",
+    "WorkerError",
+    "WorkerTimeoutError",
+    "add_env_passes",
+    "create_env",
+    "envs_root",
+    "get_env",
+    "install_args",
+    "list_envs",
+    "pinned_pass",
+    "remove_env",
+    "where",
+]

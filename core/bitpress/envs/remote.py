@@ -1,0 +1,513 @@
+"""Running a pass in another environment: proxy passes, routing, and the worker's supervision.
+
+A proxy is a :class:`Pass` subclass built from an environment's manifest: same name, algorithms,
+precisions and options (by name) as the real pass inside the environment. The host registers
+one for every pass that cannot run here but can run in an environment (see
+:func:`add_env_passes`), and a workflow can pin any pass to an environment
+(:func:`pinned_pass`). Either way the pass instance is an :class:`EnvPass`, and
+:func:`bitpress_run_pass` (a plain hook implementation, tried before the host's default)
+runs it with :func:`run_in_env`:
+
+1. the current model is saved into the run's work folder (external data, no checks);
+2. ``job.json`` is written beside it (see :mod:`bitpress.envs.worker` for the fields);
+3. ``<env>/bin/python -m bitpress.envs.worker job.json`` runs in a scratch folder of its own
+   (vendor toolkits write files into their working directory: never the user's), in its own
+   process group, with a timeout; its log records and output are streamed to this host's
+   logger as they come;
+4. ``result.json`` says what happened: the saved output model, which is loaded and returned,
+   or the error, which is raised here as the same :mod:`bitpress.errors` class when there is one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from copy import deepcopy
+from pathlib import Path
+from typing import IO, Any, ClassVar
+
+from bitpress import errors as _errors
+from bitpress.envs import protocol
+from bitpress.envs.manager import EnvInfo, get_env, list_envs
+from bitpress.envs.protocol import (
+    HERE,
+    NO_ENVS_VAR,
+    PROTOCOL,
+    TIMEOUT_VAR,
+    EnvError,
+    WorkerError,
+    WorkerTimeoutError,
+    child_environ,
+    env_python,
+)
+from bitpress.errors import BitpressError, ConfigError, PassNotFoundError, PassUnavailableError, UsageError
+from bitpress.hookspecs import hookimpl
+from bitpress.models.base import ModelHandle
+from bitpress.passes import Pass, PassContext, check_pass_class
+
+log = logging.getLogger(__name__)
+
+#: seconds a worker gets to exit after SIGTERM before the whole group is killed
+_GRACE = 3.0
+
+
+class EnvPass(Pass):
+    """Base of the proxies: a pass that runs in environment ``env`` (set on each subclass)."""
+
+    env: ClassVar[str] = ""
+    env_dir: ClassVar[Path] = Path()
+    #: the pass as the environment's manifest describes it (``bitpress passes show --json``)
+    manifest_entry: ClassVar[dict[str, Any]] = {}
+    #: the class of the same name installed here, if any (used by ``env: here``)
+    local: ClassVar[type[Pass] | None] = None
+    #: why the environment cannot be used, found when the proxy was built
+    env_problem: ClassVar[str | None] = None
+
+    def __init__(self, options: Any | None = None) -> None:
+        super().__init__(options)
+        #: the options exactly as the user gave them: the worker parses them with the real types
+        self.given: dict[str, Any] = {}
+        self.precision: str | None = None
+        self.env_timeout: float | None = None
+
+    @classmethod
+    def from_config(cls, values: dict[str, Any] | None, precision: str | None = None) -> EnvPass:
+        values = dict(values or {})
+        # names (and the precision) are checked here, before any work; the option types are
+        # known only inside the environment, where the worker checks them before loading the model
+        instance = super().from_config(values, precision)
+        assert isinstance(instance, EnvPass)
+        instance.given = values
+        instance.precision = precision
+        return instance
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if cls.env_problem:
+            return (f"environment {cls.env!r} is unusable: {cls.env_problem}; "
+                    f"rebuild it: bitpress env create {cls.env} --force")
+        if not env_python(cls.env_dir).exists():
+            return f"environment {cls.env!r} is missing ({cls.env_dir}); create it: bitpress env create {cls.env}"
+        return None
+
+    def run(self, model: ModelHandle, context: PassContext) -> ModelHandle:
+        return run_in_env(self, model, context)
+
+
+def where(cls: type[Pass]) -> str:
+    """Where a pass class runs: ``here`` or ``env:<name>``."""
+    return f"env:{cls.env}" if isinstance(cls, type) and issubclass(cls, EnvPass) else HERE
+
+
+# -- proxies ----------------------------------------------------------------------------------------------
+def make_proxy(info: EnvInfo, entry: dict[str, Any], local: type[Pass] | None = None) -> type[EnvPass]:
+    """A proxy class for the manifest ``entry`` of environment ``info``."""
+    name = entry["pass"]
+    fields = []
+    for opt in entry.get("options") or []:
+        default = opt.get("default")
+        fields.append((
+            opt["name"], Any,
+            dataclasses.field(default_factory=lambda d=default: deepcopy(d),
+                              metadata={"help": opt.get("help", ""), "type": opt.get("type", "?")}),
+        ))
+    options_cls = dataclasses.make_dataclass(f"{_camel(name)}EnvOptions", fields)
+    kinds = tuple(k for k in entry.get("model_kinds") or () if k == "onnx")  # models cross as ONNX files
+    attrs = {
+        "name": name,
+        "algorithms": tuple(entry.get("algorithms") or ()),
+        "precisions": tuple(entry.get("precisions") or ()),
+        "model_kinds": kinds,
+        "needs_data": bool(entry.get("needs_data")),
+        "summary": entry.get("summary") or "",
+        "Options": options_cls,
+        "plugin": entry.get("plugin") or info.name,
+        "env": info.name,
+        "env_dir": info.path,
+        "manifest_entry": entry,
+        "local": local,
+        "env_problem": info.problem(),
+        "__module__": __name__,
+    }
+    cls = type(f"{_camel(name)}In{_camel(info.name)}", (EnvPass,), attrs)
+    check_pass_class(cls)
+    return cls
+
+
+def _camel(text: str) -> str:
+    return "".join(part.capitalize() for part in text.replace("-", "_").replace(".", "_").split("_"))
+
+
+def add_env_passes(registry: Any) -> list[str]:
+    """Register proxies for the passes that cannot run here but can in an environment.
+
+    A pass installed and usable here always runs here. Otherwise (not installed, or its
+    dependencies missing) the first environment offering it wins, preferring the environment
+    named after the pass's plugin. Returns the names registered. Does nothing inside an
+    environment's own processes (``BITPRESS_NO_ENVS``).
+    """
+    if os.environ.get(NO_ENVS_VAR):
+        return []
+    offers: dict[str, list[tuple[EnvInfo, dict[str, Any]]]] = {}
+    try:
+        envs = list_envs()
+    except OSError as exc:
+        log.warning("cannot read the plugin environments: %s", exc)
+        return []
+    for info in envs:
+        for entry in info.pass_entries():
+            if isinstance(entry.get("pass"), str):
+                offers.setdefault(entry["pass"], []).append((info, entry))
+    added = []
+    for name, candidates in offers.items():
+        current = registry.passes.get(name)
+        if current is not None and (issubclass(current, EnvPass) or current.unavailable_reason() is None):
+            continue
+        candidates.sort(key=lambda c: (c[0].name != c[1].get("plugin"), c[0].name))
+        info, entry = candidates[0]
+        try:
+            proxy = make_proxy(info, entry, local=current)
+        except (TypeError, KeyError, ValueError) as exc:
+            log.warning("environment %s: cannot offer pass %s here: %s", info.name, name, exc)
+            continue
+        if not proxy.model_kinds:
+            log.debug("environment %s: pass %s takes no ONNX models; not offered here", info.name, name)
+            continue
+        registry.passes[name] = proxy
+        added.append(name)
+        log.debug("pass %s runs in environment %s", name, info.name)
+    return added
+
+
+def pinned_pass(
+    registry: Any, env: str, kind: str, precision: str | None,
+    resolve: Callable[[Any, str, str | None], type[Pass]],
+) -> type[Pass]:
+    """The pass class for a config entry pinned with ``env:`` (``here`` or an environment name)."""
+    if env == HERE:
+        cls = resolve(registry, kind, precision)
+        if isinstance(cls, type) and issubclass(cls, EnvPass):
+            local = cls.local
+            if local is None:
+                raise PassNotFoundError(
+                    f"pass {cls.name!r} is not installed in this environment (it runs in env:{cls.env}); "
+                    f"drop 'env: {HERE}' or install plugin {cls.plugin} here"
+                )
+            reason = local.unavailable_reason()
+            if reason:
+                raise PassUnavailableError(f"pass {local.name!r} (plugin {local.plugin}) is unavailable here: {reason}")
+            return local
+        return cls
+    if not isinstance(env, str) or not env:
+        raise ConfigError(f"'env' must be {HERE!r} or the name of an environment, got {env!r}")
+    try:
+        protocol.check_env_name(env)
+    except EnvError as exc:
+        raise ConfigError(str(exc)) from None
+    info = get_env(env)
+    if info is None:
+        known = ", ".join(e.name for e in list_envs()) or "none"
+        raise ConfigError(f"no environment named {env!r} (existing: {known}); create it: bitpress env create {env}")
+    problem = info.problem()
+    if problem:
+        raise PassUnavailableError(
+            f"environment {env!r} is unusable: {problem}; rebuild it: bitpress env create {env} --force"
+        )
+    entries = info.pass_entries(available_only=False)
+    entry = next((e for e in entries if e.get("pass") == kind), None)
+    if entry is None:
+        matches = [e for e in entries if kind in (e.get("algorithms") or [])
+                   and (precision is None or precision in (e.get("precisions") or []))]
+        matches.sort(key=lambda e: (not e.get("available", True), e.get("pass") != kind))
+        entry = matches[0] if matches else None
+    if entry is None:
+        offered = ", ".join(e["pass"] for e in entries) or "nothing"
+        raise PassNotFoundError(f"environment {env!r} has no pass or algorithm {kind!r}; it offers: {offered}")
+    if not entry.get("available", True):
+        raise PassUnavailableError(
+            f"pass {entry['pass']!r} is unavailable in environment {env!r}: {entry.get('reason')}"
+        )
+    current = registry.passes.get(entry["pass"])
+    local = current.local if isinstance(current, type) and issubclass(current, EnvPass) else current
+    proxy = make_proxy(info, entry, local=local)
+    if not proxy.model_kinds:
+        raise UsageError(f"pass {entry['pass']!r} in environment {env!r} takes no ONNX models; it cannot run from here")
+    return proxy
+
+
+# -- execution --------------------------------------------------------------------------------------------
+@hookimpl
+def bitpress_run_pass(pass_: Pass, model: ModelHandle, context: PassContext) -> ModelHandle | None:
+    """Run proxies and pinned passes in their environment; leave every other pass alone."""
+    if isinstance(pass_, EnvPass):
+        return run_in_env(pass_, model, context)
+    return None
+
+
+@dataclasses.dataclass
+class RemoteReport:
+    """A pass's report as the worker summarised it (the report object stays in the environment)."""
+
+    text: str
+
+    def summary(self) -> str:
+        return self.text
+
+
+def run_in_env(pass_: EnvPass, model: ModelHandle, context: PassContext) -> ModelHandle:
+    """Run ``pass_`` in its environment on ``model``; returns the output model (files in the workdir)."""
+    from bitpress.models.onnx_model import OnnxModel
+    from bitpress.onnx.save import SaveOptions, save_onnx
+
+    env, name = pass_.env, pass_.name
+    if not isinstance(model, OnnxModel):
+        raise UsageError(f"pass {name} runs in environment {env!r}, which exchanges ONNX models only; got {model.kind}")
+    reason = type(pass_).unavailable_reason()
+    if reason:
+        raise PassUnavailableError(f"pass {name!r} (plugin {pass_.plugin}) is unavailable: {reason}")
+    python = env_python(pass_.env_dir)
+    job_dir = _workdir(context) / f"env-{env}-{name}-{uuid.uuid4().hex[:8]}"
+    folders = {k: job_dir / k for k in ("input", "output", "cwd", "tmp", "work")}
+    for folder in folders.values():
+        folder.mkdir(parents=True)
+    origin = getattr(model, "bitpress_origin", model.source)
+    model_name = model.source.name if model.source.suffix == ".onnx" else "model.onnx"
+    t0 = time.perf_counter()
+    save_onnx(model, folders["input"] / model_name, SaveOptions(external_data=True, check=False))
+    log.debug("saved the model for environment %s in %.1f s", env, time.perf_counter() - t0)
+    job = {
+        "protocol": PROTOCOL,
+        "pass": name,
+        "precision": pass_.precision,
+        "options": pass_.given,
+        "model": str(folders["input"] / model_name),
+        "source": str(origin),
+        "output": str(folders["output"] / model_name),
+        "result": str(job_dir / "result.json"),
+        "workdir": str(folders["work"]),
+        "data": _job_data(context.data, Path(origin)),
+        "jobs": context.jobs,
+        "log_level": logging.getLogger("bitpress").getEffectiveLevel(),
+    }
+    job_path = job_dir / "job.json"
+    job_path.write_text(json.dumps(job, indent=2, default=str))
+    timeout = _timeout(pass_)
+    try:
+        rc, tail = _run_worker(pass_, python, job_path, folders["cwd"], folders["tmp"], timeout)
+        result = _read_result(Path(job["result"]))
+        if rc != 0 or not result.get("ok"):
+            raise _failure(pass_, rc, result, tail)
+        output = Path(result.get("output") or job["output"]).resolve()
+        if not output.is_relative_to(folders["output"].resolve()) or not output.is_file():
+            raise WorkerError(f"pass {name} in environment {env!r} reported an output outside its folder: {output}")
+    finally:
+        # only the output stays (until the run ends): the input copy and scratch can be large
+        for key in ("input", "cwd", "tmp", "work"):
+            shutil.rmtree(folders[key], ignore_errors=True)
+    out = OnnxModel.load(output)
+    out.bitpress_origin = origin  # type: ignore[attr-defined]  # where the run's data (tokenizer) lives
+    for rep in result.get("reports") or []:
+        context.extras.setdefault("reports", []).append((rep.get("pass", name), origin, RemoteReport(rep["summary"])))
+    log.info("pass %s ran in environment %s in %.1f s", name, env, result.get("seconds", 0.0))
+    return out
+
+
+_fallback_dirs: list[str] = []
+
+
+def _workdir(context: PassContext) -> Path:
+    """The run's work folder; API callers without one get a temporary folder removed at exit."""
+    if context.workdir is not None:
+        return Path(context.workdir)
+    if not _fallback_dirs:
+        _fallback_dirs.append(tempfile.mkdtemp(prefix="bitpress-env-"))
+        atexit.register(shutil.rmtree, _fallback_dirs[0], True)
+    return Path(_fallback_dirs[0])
+
+
+def _job_data(data: Any, origin: Path) -> dict[str, Any] | None:
+    """The calibration settings with paths made absolute: the worker runs in another folder."""
+    if data is None:
+        return None
+    from bitpress.data import DataConfig
+
+    config = dataclasses.asdict(DataConfig.from_value(data))
+    source = config.get("source")
+    if source and source != "random" and Path(source).exists():
+        config["source"] = str(Path(source).resolve())
+    tok = config.get("tokenizer")
+    if tok:
+        config["tokenizer"] = str(Path(tok).resolve()) if Path(tok).exists() else tok
+    elif (origin.parent / "tokenizer.json").is_file():
+        # the default is the model's folder; inside the worker that is a copy without the tokenizer
+        config["tokenizer"] = str((origin.parent / "tokenizer.json").resolve())
+    return config
+
+
+def _timeout(pass_: EnvPass) -> float | None:
+    if pass_.env_timeout is not None:
+        return parse_timeout(pass_.env_timeout)
+    value = os.environ.get(TIMEOUT_VAR)
+    return parse_timeout(value, TIMEOUT_VAR) if value else None
+
+
+def parse_timeout(value: Any, what: str = "env timeout") -> float:
+    """Seconds from a config value or an environment variable; positive."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}: {value!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise ConfigError(f"{what} must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def _run_worker(
+    pass_: EnvPass, python: Path, job_path: Path, cwd: Path, tmp: Path, timeout: float | None
+) -> tuple[int, list[str]]:
+    env_name = pass_.env
+    cmd = [str(python), "-m", "bitpress.envs.worker", str(job_path)]
+    environ = child_environ(pass_.env_dir, TMPDIR=str(tmp), TMP=str(tmp), TEMP=str(tmp))
+    group: dict[str, Any] = (
+        {"start_new_session": True} if os.name == "posix"
+        else {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}
+    )
+    tail: deque[str] = deque(maxlen=40)
+    log.debug("environment %s: %s (cwd %s)", env_name, " ".join(cmd), cwd)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, encoding="utf-8", errors="replace", **group)
+    assert proc.stdout is not None and proc.stderr is not None
+    pumps = [
+        threading.Thread(target=_pump_output, args=(proc.stdout, env_name, tail), daemon=True),
+        threading.Thread(target=_pump_records, args=(proc.stderr, env_name, tail), daemon=True),
+    ]
+    for t in pumps:
+        t.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        _join(pumps, 2.0)
+        raise WorkerTimeoutError(
+            f"pass {pass_.name} in environment {env_name!r} did not finish within {timeout:g} s; "
+            "its worker and every process it started were killed; nothing was written"
+        ) from None
+    except BaseException:  # Ctrl-C, or anything else here: never leave the worker running
+        _kill_group(proc)
+        raise
+    if not _join(pumps, 5.0):
+        # a process the worker started still holds its output open: it must not outlive the pass
+        _kill_group(proc)
+        _join(pumps, 2.0)
+    return rc, list(tail)
+
+
+def _join(threads: list[threading.Thread], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Stop the worker and everything in its process group: TERM, a grace period, then KILL."""
+    if os.name != "posix":
+        proc.kill()
+        proc.wait()
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        if sig == signal.SIGTERM:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=_GRACE)
+    proc.wait()
+
+
+def _pump_output(stream: IO[str], env_name: str, tail: deque[str]) -> None:
+    """The worker's stdout and stderr (prints of vendor toolkits): logged at INFO, kept for errors."""
+    logger = logging.getLogger(f"bitpress.env.{env_name}")
+    for line in stream:
+        line = line.rstrip()
+        if line:
+            tail.append(line)
+            logger.info("[env:%s] %s", env_name, line)
+
+
+def _pump_records(stream: IO[str], env_name: str, tail: deque[str]) -> None:
+    """The worker's log records (JSON lines), re-emitted by this host's loggers at their level."""
+    for line in stream:
+        line = line.rstrip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            rec = None
+        if not isinstance(rec, dict) or "msg" not in rec:
+            # written before the worker took over its streams (e.g. an interpreter that cannot start)
+            tail.append(line)
+            logging.getLogger(f"bitpress.env.{env_name}").warning("[env:%s] %s", env_name, line)
+            continue
+        level = int(rec.get("level", logging.INFO))
+        src = str(rec.get("name") or "root")
+        target = src if src == "bitpress" or src.startswith("bitpress.") else f"bitpress.env.{env_name}.{src}"
+        msg = str(rec["msg"])
+        if level >= logging.WARNING:
+            tail.append(msg)
+        logging.getLogger(target).log(level, "[env:%s] %s", env_name, msg)
+
+
+def _read_result(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _failure(pass_: EnvPass, rc: int, result: dict[str, Any], tail: list[str]) -> BitpressError:
+    """The error to raise for a failed worker: the worker's own class when it is a bitpress error."""
+    where_ = f"pass {pass_.name} in environment {pass_.env!r}"
+    error = result.get("error")
+    if isinstance(error, dict):
+        detail = error.get("traceback")
+        if detail:
+            log.debug("%s failed with:\n%s", where_, detail)
+        type_name, message = str(error.get("type", "Error")), str(error.get("message", "")).strip()
+        cls = getattr(_errors, type_name, None) or getattr(protocol, type_name, None)
+        if isinstance(cls, type) and issubclass(cls, BitpressError):
+            return cls(f"{message} (in environment {pass_.env!r})")
+        return WorkerError(f"{where_} failed: {type_name}: {message}")
+    died = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+    last = "\n".join(tail[-15:])
+    return WorkerError(
+        f"{where_}: the worker {died} without a result (a crash inside the environment?)"
+        + (f"; its last output:\n{last}" if last else "")
+    )
+
+
+__all__ = [
+    "EnvError",
+    "EnvPass",
+    "RemoteReport",
+    "add_env_passes",
+    "bitpress_run_pass",
+    "make_proxy",
+    "pinned_pass",
+    "run_in_env",
+    "where",
+]

@@ -1,0 +1,158 @@
+"""Run one pass inside a plugin environment: ``<env>/bin/python -m bitpress.envs.worker job.json``.
+
+The host writes ``job.json`` (protocol :data:`bitpress.envs.protocol.PROTOCOL`)::
+
+    {"protocol": 1, "pass": "quark_int8", "precision": "int8" | null,
+     "options": {...as the user gave them...},
+     "model": "<workdir>/env-.../input/model.onnx",     the model to read (external data beside it)
+     "source": "/path/of/the/run's/input.onnx",         informational
+     "output": "<workdir>/env-.../output/model.onnx",   where to save the result
+     "result": "<workdir>/env-.../result.json",         where to say how it went
+     "workdir": "<workdir>/env-.../work",               scratch for the pass
+     "data": {DataConfig fields} | null, "jobs": 2, "log_level": 30}
+
+and the worker writes ``result.json``: ``{"ok": true, "output": ..., "files": [...],
+"reports": [{"pass", "summary"}], "seconds": ...}`` or ``{"ok": false, "error": {"type",
+"module", "message", "traceback"}}``. Log records go to the original stderr as JSON lines
+(``{"level", "name", "msg"}``); everything else written to stdout or stderr (vendor toolkits
+print a lot, C libraries write to the file descriptors) is sent to stdout, so the host can tell
+the two apart. Options are parsed with their real types first, before the model is read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import IO, Any
+
+from bitpress.envs.protocol import NO_ENVS_VAR, PROTOCOL, EnvError
+
+log = logging.getLogger("bitpress.envs.worker")
+
+
+class _JsonLines(logging.Handler):
+    def __init__(self, stream: IO[str]) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+            if record.exc_info:
+                msg += "\n" + logging.Formatter().formatException(record.exc_info)
+            self.stream.write(json.dumps({"level": record.levelno, "name": record.name, "msg": msg}) + "\n")
+            self.stream.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def _take_streams() -> IO[str]:
+    """Keep the original stderr for log records; send all other stderr output to stdout."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    records_fd = os.dup(2)
+    os.dup2(1, 2)
+    return os.fdopen(records_fd, "w", encoding="utf-8", buffering=1)
+
+
+def _setup_logging(stream: IO[str], level: Any) -> None:
+    try:
+        level = int(level)
+    except (TypeError, ValueError):
+        level = logging.WARNING
+    root = logging.getLogger()
+    root.handlers[:] = [_JsonLines(stream)]
+    root.setLevel(level)
+    # warnings.warn from vendor code becomes a record the host shows at WARNING
+    logging.captureWarnings(True)
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    if job.get("protocol") != PROTOCOL:
+        raise EnvError(
+            f"the host sent job protocol {job.get('protocol')}, the bitpress in this environment speaks {PROTOCOL}; "
+            "rebuild the environment: bitpress env create NAME --force"
+        )
+    os.environ[NO_ENVS_VAR] = "1"  # this host runs every pass itself
+    from bitpress.data import DataConfig
+    from bitpress.errors import UsageError
+    from bitpress.models.onnx_model import OnnxModel
+    from bitpress.passes import PassContext
+    from bitpress.plugins import get_registry
+
+    registry = get_registry()
+    cls = registry.get_pass(str(job["pass"]))
+    # first thing: the options with their real types, before any model is read
+    pass_ = cls.from_config(job.get("options") or {}, job.get("precision"))
+    log.debug("pass %s with options %s", cls.name, pass_.options)
+    model = registry.hook.bitpress_load_model(source=Path(job["model"]), options={})
+    if model is None:
+        raise UsageError(f"no plugin in this environment can load {job['model']}")
+    data = DataConfig.from_value(job["data"]) if job.get("data") else None
+    if pass_.needs_data and data is None:
+        raise UsageError(f"pass {cls.name} needs calibration data: give --data or 'data:' in the config")
+    context = PassContext(jobs=max(1, int(job.get("jobs") or os.cpu_count() or 1)),
+                          workdir=Path(job["workdir"]), data=data)
+    if isinstance(model, OnnxModel):
+        model.use_workdir(context.workdir)
+    t0 = time.perf_counter()
+    result = registry.hook.bitpress_run_pass(pass_=pass_, model=model, context=context)
+    if result is None:
+        raise UsageError(f"no plugin ran pass {cls.name}")
+    seconds = time.perf_counter() - t0
+    output = Path(job["output"])
+    # external data always: the host reads the result from here, and models may exceed 2 GB
+    files = registry.hook.bitpress_save_model(
+        model=result, destination=output, options={"external_data": True, "max_shard_size": None, "check": False}
+    )
+    if files is None:
+        raise UsageError(f"no plugin in this environment can save a {result.kind} model")
+    for handle in {id(model): model, id(result): result}.values():
+        if isinstance(handle, OnnxModel):
+            handle.close()
+    reports = [
+        {"pass": name, "summary": rep.summary() if hasattr(rep, "summary") else str(rep)}
+        for name, _src, rep in context.extras.get("reports", [])
+    ]
+    return {"output": str(output), "files": [str(f) for f in files], "reports": reports, "seconds": seconds,
+            "prefix": sys.prefix}
+
+
+def _write_result(path: Path, result: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str))
+    os.replace(tmp, path)  # the host never reads half a result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if len(args) != 1:
+        print("usage: python -m bitpress.envs.worker JOB.json", file=sys.stderr)
+        return 2
+    job_path = Path(args[0])
+    records = _take_streams()
+    _setup_logging(records, logging.WARNING)
+    result_path = job_path.with_name("result.json")
+    try:
+        job = json.loads(job_path.read_text())
+        result_path = Path(job.get("result") or result_path)
+        _setup_logging(records, job.get("log_level"))
+        result = run_job(job)
+    except BaseException as exc:
+        log.debug("the pass failed", exc_info=True)
+        _write_result(result_path, {"ok": False, "error": {
+            "type": type(exc).__name__, "module": type(exc).__module__, "message": str(exc),
+            "traceback": traceback.format_exc(),
+        }})
+        return 130 if isinstance(exc, KeyboardInterrupt) else 1
+    _write_result(result_path, {"ok": True, **result})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
