@@ -35,9 +35,13 @@ venv: $(VENV)/.installed $(VENV)/.realmodels
 demo: venv
 	$(VENV)/bin/bitpress demo
 
-test: venv
+# The suite runs twice: in the host's environment (with BITPRESS_TEST_ENVS, tests also drive
+# the Quark environment through the worker), then Quark's own tests inside that environment.
+test: venv envs
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	BITPRESS_TEST_ENVS=$(ENVS) $(PY) -m pytest -q
+	$(ENVS)/quark/bin/python -m pip install --quiet pytest
+	$(ENVS)/quark/bin/python -m pytest -q -p no:cacheprovider tests/plugins/test_quark.py
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -7,6 +7,8 @@ them (``shutil.copytree``) before changing anything.
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,13 @@ import pytest
 
 from bitpress import synthetic
 from bitpress.plugins import Registry
+
+# Plugin environments a developer created (~/.cache/bitpress/envs) must not leak into the tests:
+# the session sees an empty folder. Tests of real environments read BITPRESS_TEST_ENVS, which
+# `make test` points at the project's .bitpress-envs (built by `make envs`).
+TEST_ENVS = os.environ.get("BITPRESS_TEST_ENVS")
+os.environ["BITPRESS_ENVS"] = tempfile.mkdtemp(prefix="bitpress-test-envs-")
+
 
 # Small enough that each builds in milliseconds, large enough that every weight is >= 1 KiB
 # (so external-data paths are really exercised) and block sizes up to 64 divide K.

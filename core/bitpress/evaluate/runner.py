@@ -1,0 +1,257 @@
+"""Run QUANTIZED and its float reference on the same inputs and measure what quantization cost."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bitpress.data import DataConfig, input_specs
+from bitpress.errors import ModelLoadError, UsageError
+from bitpress.evaluate.feeds import (
+    check_same_signature,
+    data_feeds,
+    find_tokenizer,
+    is_past,
+    output_names,
+    resolve_model,
+    text_feeds,
+    token_windows,
+    tokenize,
+    vocab_size,
+)
+from bitpress.evaluate.metrics import OutputAccumulator, looks_like_logits, next_token_nll
+from bitpress.evaluate.result import EvalError, EvalResult, ModelMismatchError, PerplexityResult
+from bitpress.evaluate.weights import tensor_errors
+from bitpress.models.onnx_model import OnnxModel
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[..., Any]
+
+
+def run_evaluation(
+    quantized: str | Path,
+    reference: str | Path,
+    *,
+    data: Any = None,
+    samples: int = 8,
+    seq_len: int = 128,
+    batch: int = 1,
+    seed: int = 0,
+    text: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    max_windows: int | None = None,
+    threads: int = 1,
+    weights: bool = True,
+    progress: Progress | None = None,
+) -> EvalResult:
+    """See :func:`bitpress.api.evaluate`."""
+    start = time.perf_counter()
+    for name, value, low in (("samples", samples, 1), ("seq_len", seq_len, 1), ("batch", batch, 1),
+                             ("threads", threads, 1), ("max_windows", max_windows, 1)):
+        if value is not None and (not isinstance(value, int) or value < low):
+            raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
+    qf = resolve_model(quantized, "QUANTIZED")
+    rf = resolve_model(reference, "reference")
+    qm, rm = OnnxModel.load(qf.path), OnnxModel.load(rf.path)
+    try:
+        check_same_signature(qm.proto, rm.proto)
+        hints = {**rf.kv_hints(), **qf.kv_hints()}
+        past = [s.name for s in input_specs(rm.proto) if is_past(s)]
+        names = output_names(rm.proto)
+        vocab, q_vocab = vocab_size(rm.proto), vocab_size(qm.proto)
+        if vocab and q_vocab and vocab != q_vocab:
+            raise ModelMismatchError(
+                f"the models have different vocabularies: QUANTIZED embeds {q_vocab} tokens, the reference {vocab}"
+            )
+        vocab = vocab or q_vocab
+        q_sess = _session(qf.path, threads, "QUANTIZED")
+        r_sess = _session(rf.path, threads, "reference")
+        result = EvalResult(qf.path, rf.path, "", 0, batch, seq_len, threads)
+        if past:
+            result.notes.append(
+                f"KV-cache model: {len(past)} past input(s) fed empty (length 0); each window runs in one call"
+            )
+        accs = [OutputAccumulator(n, False) for n in names]
+        ppl_windows: np.ndarray | None = None
+        text_path = Path(text) if text is not None else None
+        if text_path is not None:
+            tok = find_tokenizer(tokenizer, [qf.root, qf.path.parent, rf.root, rf.path.parent])
+            ppl_windows = token_windows(tokenize(text_path, tok), seq_len, max_windows)
+            if vocab is not None and int(ppl_windows.max()) >= vocab:
+                raise UsageError(
+                    f"{tok} gives token ids up to {int(ppl_windows.max())} but the model's vocabulary has {vocab} "
+                    "rows; pass the model's own tokenizer"
+                )
+        if data is None and ppl_windows is not None:
+            # real text beats random inputs: compare the outputs on the perplexity windows, in the same runs
+            result.data = f"{ppl_windows.shape[0]} window(s) of {ppl_windows.shape[1]} tokens of {text_path}"
+            result.perplexity = _text_pass(
+                rm, q_sess, r_sess, names, accs, ppl_windows, batch, hints, vocab, progress, str(text_path)
+            )
+            result.samples = -(-ppl_windows.shape[0] // batch)
+        else:
+            config = _data_config(data, samples, seq_len, batch, tokenizer, seed)
+            if config.source == "random":
+                result.data = f"random inputs (seed {config.seed}, {config.seq_len} tokens)"
+                result.notes.append(
+                    "random inputs show how far the outputs move, not how quality changes: pass --text (perplexity) "
+                    "or --data with real inputs"
+                )
+            else:
+                result.data = str(config.source)
+            model_dir = next((f for f in (qf.root, rf.root) if (f / "tokenizer.json").is_file()), rf.root)
+            feeds = data_feeds(rm.proto, config, model_dir, hints)
+            result.samples = len(feeds)
+            first = True
+            with _step(progress, len(feeds), "comparing outputs") as advance:
+                for feed in feeds:
+                    ref = _run(r_sess, names, feed, "reference")
+                    qnt = _run(q_sess, names, feed, "QUANTIZED")
+                    if first:
+                        for acc, arr in zip(accs, ref, strict=True):
+                            acc.is_logits = looks_like_logits(acc.name, arr.shape, vocab)
+                        first = False
+                    for acc, r, q in zip(accs, ref, qnt, strict=True):
+                        acc.add(r, q)
+                    advance(1)
+            if ppl_windows is not None:
+                result.perplexity = _text_pass(
+                    rm, q_sess, r_sess, names, None, ppl_windows, batch, hints, vocab, progress, str(text_path)
+                )
+        result.outputs = [a.result() for a in accs]
+        result.weights_compared = weights
+        if weights:
+            n_nodes = sum(1 for n in qm.graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized",
+                                                                  "MatMulBnb4"))
+            with _step(progress, n_nodes, "weight error") as advance:
+                result.tensors = tensor_errors(qm, rm, advance)
+        result.seconds = time.perf_counter() - start
+        _log_summary(result)
+        return result
+    finally:
+        qm.close()
+        rm.close()
+
+
+def _data_config(
+    data: Any, samples: int, seq_len: int, batch: int, tokenizer: str | Path | None, seed: int
+) -> DataConfig:
+    defaults = {"samples": samples, "seq_len": seq_len, "batch": batch,
+                "tokenizer": str(tokenizer) if tokenizer else None, "seed": seed}
+    if data is None:
+        return DataConfig.from_value({**defaults, "source": "random"})
+    if isinstance(data, str | Path):
+        return DataConfig.from_value({**defaults, "source": str(data)})
+    if isinstance(data, dict):
+        return DataConfig.from_value({**defaults, **data})
+    return DataConfig.from_value(data)
+
+
+def _text_pass(
+    rm: OnnxModel, q_sess: Any, r_sess: Any, names: list[str], accs: list[OutputAccumulator] | None,
+    windows: np.ndarray, batch: int, hints: dict[str, int], vocab: int | None, progress: Progress | None,
+    text: str,
+) -> PerplexityResult:
+    """Perplexity of both models on ``windows``; with ``accs``, the outputs are compared too."""
+    logits_idx = _logits_index(names, vocab)
+    nll_r = nll_q = 0.0
+    count = 0
+    first = True
+    with _step(progress, -(-len(windows) // batch), "perplexity") as advance:
+        for ids, feed in text_feeds(rm.proto, windows, batch, hints):
+            ref = _run(r_sess, names, feed, "reference")
+            qnt = _run(q_sess, names, feed, "QUANTIZED")
+            if accs is not None:
+                if first:
+                    for acc, arr in zip(accs, ref, strict=True):
+                        acc.is_logits = looks_like_logits(acc.name, arr.shape, vocab)
+                    first = False
+                for acc, r, q in zip(accs, ref, qnt, strict=True):
+                    acc.add(r, q)
+            a, n = next_token_nll(ref[logits_idx], ids)
+            b, _ = next_token_nll(qnt[logits_idx], ids)
+            nll_r, nll_q, count = nll_r + a, nll_q + b, count + n
+            advance(1)
+    return PerplexityResult(text, len(windows), int(windows.shape[1]), count,
+                            _exp(nll_r / count), _exp(nll_q / count))
+
+
+def _exp(x: float) -> float:
+    return math.exp(x) if x < 709 else math.inf  # exp overflows float64 past ~709
+
+
+def _logits_index(names: list[str], vocab: int | None) -> int:
+    for i, n in enumerate(names):
+        if n == "logits":
+            return i
+    for i, n in enumerate(names):
+        if "logits" in n.lower():
+            return i
+    non_cache = [i for i, n in enumerate(names) if not n.lower().startswith("present")]
+    if len(non_cache) == 1:
+        return non_cache[0]
+    raise UsageError(f"perplexity needs a 'logits' output; the model gives {', '.join(names)}")
+
+
+def _session(path: Path, threads: int, what: str) -> Any:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 4  # failures become one-line errors; ORT's own log would repeat them
+    try:
+        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ORT raises its own pybind exception types
+        raise ModelLoadError(f"ONNX Runtime cannot load the {what} model {path}: {_first_line(exc)}") from None
+
+
+def _run(sess: Any, names: list[str], feed: dict[str, np.ndarray], what: str) -> list[np.ndarray]:
+    try:
+        return sess.run(names, feed)
+    except Exception as exc:  # ORT raises its own pybind exception types
+        shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in feed.items())
+        raise EvalError(f"ONNX Runtime failed to run the {what} model on inputs {shapes}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+@contextmanager
+def _step(progress: Progress | None, total: int, desc: str) -> Iterator[Callable[[int], Any]]:
+    """A progress counter like PassContext.step: ``advance(n)``; nothing shown without ``progress``."""
+    bar = progress(None, total=total, desc=desc) if progress is not None and total else None
+    try:
+        yield getattr(bar, "update", None) or (lambda n=1: None)
+    finally:
+        close = getattr(bar, "close", None)
+        if close is not None:
+            close()
+
+
+def _log_summary(result: EvalResult) -> None:
+    logits = result.logits()
+    if logits is not None:
+        log.info("logits: rel L2 %.4g, cosine %.6f, top-1 %s", logits.relative_l2, logits.cosine,
+                 logits.top1_agreement)
+    if result.perplexity is not None:
+        p = result.perplexity
+        log.info("perplexity: reference %.4f, quantized %.4f (%+.2f%%)", p.reference, p.quantized,
+                 100 * p.relative_change)
+    summary = result.sqnr_summary()
+    if summary:
+        log.info("weights: %d tensors, lowest SQNR %.1f dB (%s)", summary["tensors"], summary["min_db"],
+                 summary["worst"])
+
+
+__all__ = ["run_evaluation"]

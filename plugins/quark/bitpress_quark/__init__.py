@@ -1,0 +1,19 @@
+"""bitpress-quark: AMD Quark (``quark.onnx``) as bitpress passes.
+
+Static int8 (QDQ / QOperator), dynamic int8 and int4 weight-only MatMulNBits (DEFAULT, HQQ).
+The plugin itself needs only the host; the toolkit (``amd-quark``, torch) comes with the
+``toolkit`` extra or, better, an environment of its own: ``bitpress env create quark``.
+"""
+
+from __future__ import annotations
+
+from bitpress import hookimpl
+from bitpress_quark.passes import PASSES, QuarkDynamicPass, QuarkInt4Pass, QuarkStaticPass
+
+__all__ = ["QuarkDynamicPass", "QuarkInt4Pass", "QuarkStaticPass"]
+
+
+@hookimpl
+def bitpress_register_passes(register):
+    for cls in PASSES:
+        register(cls)

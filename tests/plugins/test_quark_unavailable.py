@@ -1,0 +1,108 @@
+"""The AMD Quark plugin where Quark is not installed (the host's own environment).
+
+``make venv`` installs ``plugins/quark`` here without its ``toolkit`` extra: its passes must be
+listed as unavailable with the exact install commands, and selecting one must fail (exit 1)
+with the same message before any work. Skipped where Quark is importable (its environment).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bitpress.errors import OptionError
+from bitpress.plugins import Registry
+
+if importlib.util.find_spec("quark") is not None:
+    pytest.skip("AMD Quark is installed here; see test_quark.py", allow_module_level=True)
+
+QUARK_PASSES = ("quark_dynamic", "quark_int4", "quark_static")
+HINT = (
+    'install it with: bitpress env create quark (an isolated environment, recommended: Quark pins '
+    'onnx<=1.22.0) or pip install "bitpress[quark]"'
+)
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Registry:
+    """The installed plugins, with no plugin environment (a `quark` one would run the passes)."""
+    if not any(ep.name == "quark" for ep in md.entry_points(group="bitpress")):
+        pytest.fail("bitpress-quark is not installed in this environment: run `make venv` "
+                    "(or pip install -e plugins/quark)")
+    monkeypatch.setenv("BITPRESS_ENVS", str(tmp_path / "no-envs"))
+    return Registry()
+
+
+def test_passes_listed_unavailable_with_install_commands(run_cli, registry: Registry) -> None:
+    code, out, err = run_cli("passes", "list", "--json", registry=registry)
+    assert code == 0, err
+    rows = {r["pass"]: r for r in json.loads(out)}
+    for name in QUARK_PASSES:
+        row = rows[name]
+        assert row["plugin"] == "quark" and row["available"] is False, row
+        assert row["reason"].startswith("missing Python module(s) quark") and row["reason"].endswith(HINT), row
+    assert rows["quark_static"]["needs_data"] is True and rows["quark_int4"]["precisions"] == ["int4"]
+    assert rows["quark_static"]["algorithms"] == ["quark_static", "quark_int8"]
+    code, out, _ = run_cli("passes", "list", registry=registry)
+    lines = [line for line in out.splitlines() if line.startswith("quark_")]
+    assert len(lines) == 3 and all(line.endswith(HINT) for line in lines), lines
+    # the plugin is listed, loaded (not broken) although its toolkit is missing
+    code, out, _ = run_cli("plugins", registry=registry)
+    assert any(line.startswith("quark ") and line.rstrip().endswith("ok") for line in out.splitlines()), out
+
+
+def test_passes_show_options_without_quark(run_cli, registry: Registry) -> None:
+    code, out, _ = run_cli("passes", "show", "quark_static", registry=registry)
+    assert code == 0
+    assert "unavailable: missing Python module(s) quark" in out and HINT in out
+    for option in ("quant_format", "calibration_method", "per_channel", "activation_type", "weight_type",
+                   "op_types_to_exclude", "nodes_to_exclude"):
+        assert option in out
+
+
+@pytest.mark.parametrize(("algorithm", "precision"), [("quark_static", "int8"), ("quark_dynamic", None),
+                                                       ("quark_int4", "int4")])
+def test_quantize_fails_with_the_install_command(
+    run_cli, registry: Registry, algorithm: str, precision: str | None, tiny_decoder: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.onnx"
+    args = ["quantize", "-m", tiny_decoder, "-o", out, "--algorithm", algorithm, "--data", "random"]
+    if precision:
+        args += ["--precision", precision]
+    code, stdout, err = run_cli(*args, registry=registry)
+    assert code == 1, (stdout, err)
+    assert err.startswith(f"bitpress: error: pass '{algorithm}' (plugin quark) is unavailable: "
+                          "missing Python module(s) quark"), err
+    assert err.rstrip().endswith(HINT), err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_plugin_import_does_not_import_the_toolkit() -> None:
+    # a fresh process: other tests of the session may have imported torch
+    code = ("import sys, bitpress_quark; print(sorted(c.name for c in bitpress_quark.passes.PASSES), "
+            "'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("]")[0] + "]" == str(sorted(QUARK_PASSES)) and proc.stdout.split()[-1] == "False"
+
+
+def test_options_are_checked_without_quark() -> None:
+    from bitpress_quark import QuarkInt4Pass, QuarkStaticPass
+
+    with pytest.raises(OptionError, match="always asymmetric"):
+        QuarkInt4Pass.from_config({"algorithm": "hqq", "symmetric": "true"})
+    with pytest.raises(OptionError, match="power of two"):
+        QuarkInt4Pass.from_config({"block_size": 48})
+    with pytest.raises(OptionError, match="calibration_method"):
+        QuarkStaticPass.from_config({"calibration_method": "gptq"})
+    with pytest.raises(OptionError, match="choose one of int8"):
+        QuarkStaticPass.from_config({}, precision="int4")
+    p = QuarkStaticPass.from_config({"quant_format": "qoperator", "nodes_to_exclude": "a,b", "per_channel": "yes"})
+    assert p.options.quant_format == "qoperator" and p.options.nodes_to_exclude == ["a", "b"]
+    assert p.options.per_channel is True
