@@ -18,6 +18,7 @@ and never required).
 from __future__ import annotations
 
 import functools
+import glob
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -259,6 +260,9 @@ def _select_backend(device: str) -> Any:
     if device == "numpy":
         return _NUMPY
     if device == "auto":
+        # importing torch costs seconds: only try when an NVIDIA device node exists
+        if not glob.glob("/dev/nvidia[0-9]*"):
+            return _NUMPY
         try:
             import torch  # optional; only for the GPU path
         except ImportError:
