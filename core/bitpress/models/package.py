@@ -53,17 +53,25 @@ class OnnxPackage(ModelHandle):
         cfg = self.root / GENAI_CONFIG
         return json.loads(cfg.read_text()) if cfg.exists() else None
 
+    def configured_component(self, section: str) -> list[str]:
+        """The model that a ``genai_config.json`` section (``decoder``, ``embedding``, ...) names.
+
+        Its ``filename`` is relative to the folder, or to a sub-folder of the section's name.
+        """
+        entry = ((self.genai_config or {}).get("model") or {}).get(section)
+        filename = entry.get("filename") if isinstance(entry, dict) else None
+        if not isinstance(filename, str) or not filename:
+            return []
+        for rel in self.onnx_files:
+            if rel == filename or (rel.endswith("/" + filename) and rel.startswith(section + "/")):
+                return [rel]
+        return []
+
     def default_components(self) -> list[str]:
         """The decoder of a GenAI package, else every model in the folder."""
-        cfg = self.genai_config
-        decoder = ((cfg or {}).get("model") or {}).get("decoder") or {}
-        filename = decoder.get("filename")
-        if filename:
-            for rel in self.onnx_files:
-                if rel == filename or (rel.endswith("/" + filename) and rel.startswith("decoder/")):
-                    return [rel]
-            if filename in self.onnx_files:
-                return [filename]
+        configured = self.configured_component("decoder")
+        if configured:
+            return configured
         decoders = [f for f in self.onnx_files if f.startswith("decoder/")]
         return decoders or list(self.onnx_files)
 
@@ -78,6 +86,8 @@ class OnnxPackage(ModelHandle):
                 if f == pat or fnmatch.fnmatch(f, pat) or f.split("/")[0] == pat
                 or Path(f).stem == pat
             ]
+            # a genai_config.json section: `decoder` is model.onnx in the builder's flat layout
+            hits = hits or self.configured_component(pat)
             if not hits:
                 raise UsageError(
                     f"component {pat!r} not found in {self.root}; it holds: {', '.join(self.onnx_files)}"

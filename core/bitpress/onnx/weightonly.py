@@ -68,6 +68,9 @@ class WeightOnlyOptions:
     overrides: dict[str, dict[str, Any]] = option(
         {}, 'per-node settings, first match wins: {"re:.*down_proj.*": {"bits": 8}}'
     )
+    gather_min_rows: int = option(
+        64, "Gather tables with fewer rows stay float (token-type tables: no size gain, error on every token)"
+    )
 
     def validate(self) -> None:
         check_bits_block(self.bits, self.block_size, "")
@@ -101,13 +104,19 @@ class Use:
     """One node reading a weight, and how (which orientation it needs)."""
 
     node: onnx.NodeProto
-    kind: str  # "matmul" (B [K,N]), "matmul_t" (B = Transpose(T [N,K])), "gemm", "gemm_t", "gather"
+    # "matmul" (B [K,N]), "matmul_t" (B = Transpose(T [N,K])), "gemm", "gemm_t" (transB=1),
+    # "gather" (table T), "gather_t" (table = Transpose(W [K,N]): the ORT GenAI builder's tie)
+    kind: str
     transpose: onnx.NodeProto | None = None
 
     @property
     def rows_are_table_rows(self) -> bool:
-        # True: quantization blocks run along the table's last axis (its rows are the N rows)
+        # True: quantization blocks run along the stored tensor's last axis (its rows are the N rows)
         return self.kind in ("matmul_t", "gemm_t", "gather")
+
+    @property
+    def is_gather(self) -> bool:
+        return self.kind in ("gather", "gather_t")
 
 
 @dataclass
@@ -125,6 +134,7 @@ class Group:
 class Plan:
     groups: list[Group]
     skipped: dict[str, str]  # weight or node -> reason
+    notes: dict[str, str] = field(default_factory=dict)  # weight -> a setting the planner adjusted
 
 
 def plan(model: OnnxModel, opts: WeightOnlyOptions) -> Plan:
@@ -139,6 +149,7 @@ def plan(model: OnnxModel, opts: WeightOnlyOptions) -> Plan:
     subgraph_reads = _subgraph_reads(graph)
     graph_outputs = {o.name for o in graph.output}
     skipped: dict[str, str] = {}
+    notes: dict[str, str] = {}
     uses: dict[str, list[Use]] = defaultdict(list)
 
     for node in graph.node:
@@ -197,12 +208,27 @@ def plan(model: OnnxModel, opts: WeightOnlyOptions) -> Plan:
             )
             continue
         group = Group(weight, wuses, bits.pop(), blocks.pop(), sym.pop())
+        a, b = (int(d) for d in tensor.dims)
+        n_rows, k = (a, b) if wuses[0].rows_are_table_rows else (b, a)
+        gathers = [u for u in wuses if u.is_gather]
+        if gathers and n_rows < opts.gather_min_rows:
+            skipped[weight] = (
+                f"Gather table with {n_rows} rows (< gather_min_rows={opts.gather_min_rows}): tiny tables such as "
+                "token-type embeddings save nothing and their error reaches every token; kept in float"
+            )
+            continue
+        if gathers and len(gathers) < len(wuses) and k % group.block_size:
+            # a tied table is shared only when blocks tile its rows exactly: use the largest block that does
+            fit = next((bs for bs in (256, 128, 64, 32, 16) if bs < group.block_size and k % bs == 0), None)
+            if fit is not None:
+                notes[weight] = f"tied table of width {k}: block_size {group.block_size} -> {fit} so both ends share it"
+                group.block_size = fit
         reason = _layout_problem(group, tensor)
         if reason:
             skipped[weight] = reason
             continue
         groups.append(group)
-    return Plan(groups, skipped)
+    return Plan(groups, skipped, notes)
 
 
 def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
@@ -226,13 +252,20 @@ def _classify(
     if node.op_type == "Gather":
         name = node.input[0]
         t = inits.get(name)
+        kind, tr = "gather", None
+        if t is None and name in prods and prods[name].op_type == "Transpose":
+            tr = prods[name]
+            perm = [int(p) for p in attrs_of(tr).get("perm", [1, 0])]
+            src = inits.get(tr.input[0])
+            if src is not None and len(src.dims) == 2 and perm == [1, 0]:
+                t, name, kind = src, tr.input[0], "gather_t"
         if t is None:
             return None, "", None  # a Gather on activations
         if len(t.dims) != 2 or t.data_type not in FLOAT_TYPES:
             return None, "", "Gather table is not a 2-D float initializer"
         if attrs.get("axis", 0) != 0:
             return None, "", "Gather axis is not 0 (GatherBlockQuantized needs gather_axis 0)"
-        return Use(node, "gather"), name, None
+        return Use(node, kind, tr if kind == "gather_t" else None), name, None
     if len(node.input) < 2:
         return None, "", None
     b = node.input[1]
@@ -267,9 +300,10 @@ def attrs_of(node: onnx.NodeProto) -> dict[str, Any]:
 
 
 def _layout_problem(group: Group, tensor: onnx.TensorProto) -> str | None:
-    rows, cols = (int(d) for d in tensor.dims)
-    has_gather = any(u.kind == "gather" for u in group.uses)
-    has_matmul = any(u.kind != "gather" for u in group.uses)
+    a, b = (int(d) for d in tensor.dims)
+    rows, cols = (a, b) if group.uses[0].rows_are_table_rows else (b, a)
+    has_gather = any(u.is_gather for u in group.uses)
+    has_matmul = any(not u.is_gather for u in group.uses)
     if has_gather:
         hidden = cols
         if hidden * group.bits % 8:
@@ -359,7 +393,7 @@ def solve_group(
     # float offsets exist only for 4-bit MatMulNBits: not for Gather, nor for 8 bits on CPU
     use_float_zp = (
         float_zero_points and not group.symmetric and group.bits == 4
-        and not any(u.kind == "gather" for u in group.uses)
+        and not any(u.is_gather for u in group.uses)
     )
     spec = BlockSpec(group.bits, bs, group.symmetric, use_float_zp)
     q = np.empty((rows, n_blocks, bs), np.uint8)
@@ -422,8 +456,8 @@ class Writer:
         scale_dtype = np.float16 if res.dtype == np.float16 else np.float32
         if res.dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
             scale_dtype = np.float32
-        has_gather = any(u.kind == "gather" for u in g.uses)
-        matmul_uses = [u for u in g.uses if u.kind != "gather"]
+        has_gather = any(u.is_gather for u in g.uses)
+        matmul_uses = [u for u in g.uses if not u.is_gather]
         tag = f"Q{g.bits}"
         if matmul_uses:
             mt = layout.to_matmul_nbits(res.blocks, g.bits, res.k, scale_dtype, flat=not has_gather)
@@ -460,13 +494,15 @@ class Writer:
                 if gz_name:
                     self._add(gz_name, gt.zero_points)
                 pre = []
-            for i, u in enumerate(u for u in g.uses if u.kind == "gather"):
+            for i, u in enumerate(u for u in g.uses if u.is_gather):
                 inputs = [data_name, u.node.input[1], gs_name] + ([gz_name] if gz_name else [])
                 node = helper.make_node(
                     "GatherBlockQuantized", inputs, list(u.node.output),
                     name=f"{u.node.name or weight}_{tag}", domain=MS_DOMAIN, **gt_attrs,
                 )
                 self.replace[id(u.node)] = ([*pre] if i == 0 else []) + [node]
+                if u.transpose is not None:
+                    self.drop.add(id(u.transpose))
 
     def _add(self, name: str, array: np.ndarray) -> None:
         if array.dtype != np.int64:  # not the Reshape target shape
@@ -540,6 +576,8 @@ def quantize_weights(
     report = Report(skipped=dict(p.skipped))
     for what, why in p.skipped.items():
         log.info("not quantized: %s: %s", what, why)
+    for what, why in p.notes.items():
+        log.info("%s: %s", what, why)
     if not p.groups:
         log.warning("no weights to quantize in %s", model.source.name)
         return report
@@ -607,7 +645,7 @@ class WeightOnlyPass(Pass):
         from bitpress.onnx.activations import channel_importance
 
         readers = {
-            g.weight: [u.node.input[0] for u in g.uses if u.kind != "gather"] for g in plan(model, self.options).groups
+            g.weight: [u.node.input[0] for u in g.uses if not u.is_gather] for g in plan(model, self.options).groups
         }
         readers = {w: acts for w, acts in readers.items() if acts}
         feeds = iter_feeds(model.proto, DataConfig.from_value(context.data), model.source.parent)
