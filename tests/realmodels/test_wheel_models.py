@@ -93,8 +93,10 @@ def quantized_l3(minilm_l3_onnx: Path, tmp_path_factory: pytest.TempPathFactory)
             out = tmp_path_factory.mktemp(f"l3-{algorithm}-{precision}") / "model.onnx"
             result = bitpress.quantize(minilm_l3_onnx, out, algorithm=algorithm, precision=precision)
             report = result.reports[0][2]
-            # 3 layers x 6 MatMuls, and the word, position and token-type embedding tables
-            assert report.quantized == 21 and not report.skipped, report.summary()
+            # 3 layers x 6 MatMuls, and the word and position tables; the 2-row token-type table
+            # stays float (gather_min_rows): its error would reach every token
+            assert report.quantized == 20, report.summary()
+            assert list(report.skipped) == ["model.0.auto_model.embeddings.token_type_embeddings.weight"]
             done[(algorithm, precision)] = out
         return done[(algorithm, precision)]
 
@@ -112,7 +114,7 @@ def test_minilm_l3_quantized_embeddings_agree(
     assert sha256_tree(minilm_l3_onnx) == before
     nodes = onnx.load(out, load_external_data=False).graph.node
     assert sum(n.op_type == "MatMulNBits" for n in nodes) == 18
-    assert sum(n.op_type == "GatherBlockQuantized" for n in nodes) == 3
+    assert sum(n.op_type == "GatherBlockQuantized" for n in nodes) == 2
     assert sum(n.op_type == "MatMul" for n in nodes) == 24 - 18  # attention: activations x activations
     got = sentence_embeddings(out, lee_batch)
     cos = (got * float_embeddings).sum(1)
