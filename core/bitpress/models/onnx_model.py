@@ -109,7 +109,7 @@ class OnnxModel(ModelHandle):
         pad = (-offset) % 64
         handle.write(b"\0" * pad)  # type: ignore[attr-defined]
         offset += pad
-        handle.write(array.tobytes())  # type: ignore[attr-defined]
+        handle.write(memoryview(array.reshape(-1).view(np.uint8)))  # type: ignore[attr-defined]  # no copy
         handle.flush()  # type: ignore[attr-defined]
         empty = np.zeros((0,), dtype=array.dtype)
         tensor = numpy_helper.from_array(empty, name)

@@ -137,18 +137,22 @@ def to_matmul_nbits(
     k: int,
     scale_dtype: np.dtype | type = np.float32,
     flat: bool = True,
+    packed_q: np.ndarray | None = None,
 ) -> MatMulNBitsTensors:
     """MatMulNBits tensors for ``blocks`` (rows = N, blocks along K padded by the caller).
 
     ``k`` is the true K (the node's attribute); ``flat`` writes scales / zero points 1-D as the
-    op spec says, else ``[N, ...]`` (also accepted by ORT).
+    op spec says, else ``[N, ...]`` (also accepted by ORT). ``packed_q``: ``blocks.q`` already
+    packed with :func:`pack_along_last` (``[N, n_blocks, blob]``; ``blocks.q`` is then ignored),
+    so a caller can pack chunk by chunk and never hold one byte per weight.
     """
     _check_bits(bits)
-    n, n_blocks, block_size = blocks.q.shape
+    n, n_blocks = blocks.scales.shape
+    block_size = packed_q.shape[-1] * 8 // bits if packed_q is not None else blocks.q.shape[-1]
     _check_block_size(block_size)
     if not (n_blocks - 1) * block_size < k <= n_blocks * block_size:
         raise ValueError(f"K={k} does not need {n_blocks} blocks of {block_size}")
-    b = pack_along_last(blocks.q, bits)
+    b = packed_q if packed_q is not None else pack_along_last(blocks.q, bits)
     scales = _scales_as(blocks, scale_dtype)
     kind = zero_point_kind(blocks)
     zp: np.ndarray | None = None
@@ -208,13 +212,16 @@ def to_gather_block_quantized(
     bits: int,
     hidden: int,
     scale_dtype: np.dtype | type = np.float32,
+    packed_q: np.ndarray | None = None,
 ) -> GatherBlockQuantizedTensors:
     """GatherBlockQuantized tensors for a ``[vocab, hidden]`` table quantized along hidden.
 
     ``blocks`` covers hidden padded to whole blocks; the padding is dropped from ``data``.
+    ``packed_q``: as in :func:`to_matmul_nbits`.
     """
     _check_bits(bits)
-    vocab, n_blocks, block_size = blocks.q.shape
+    vocab, n_blocks = blocks.scales.shape
+    block_size = packed_q.shape[-1] * 8 // bits if packed_q is not None else blocks.q.shape[-1]
     _check_block_size(block_size)
     if not (n_blocks - 1) * block_size < hidden <= n_blocks * block_size:
         raise ValueError(f"hidden={hidden} does not need {n_blocks} blocks of {block_size}")
@@ -224,7 +231,11 @@ def to_gather_block_quantized(
     kind = zero_point_kind(blocks)
     if kind == "float":
         raise ValueError("GatherBlockQuantized takes uint8 zero points only, not float offsets")
-    data = pack_along_last(blocks.q.reshape(vocab, -1)[:, :hidden], bits)
+    if packed_q is not None:
+        # blocks are whole bytes, so the packed row's first hidden*bits/8 bytes are the table row
+        data = np.ascontiguousarray(packed_q.reshape(vocab, -1)[:, : hidden * bits // 8])
+    else:
+        data = pack_along_last(blocks.q.reshape(vocab, -1)[:, :hidden], bits)
     scales = _scales_as(blocks, scale_dtype)
     zp = None
     if kind == "uint8":

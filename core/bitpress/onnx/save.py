@@ -17,6 +17,7 @@ import onnx
 from onnx import numpy_helper
 
 from bitpress.errors import OutputError, ValidationError
+from bitpress.memory import release_free_memory
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.graph import ensure_opsets
 from bitpress.onnx.tensors import external_ref, is_external, iter_tensors, tensor_nbytes
@@ -55,46 +56,107 @@ def save_onnx(model: OnnxModel, dest: Path, options: SaveOptions | None = None) 
             "to 2 GiB: save with external data (--external-data)"
         )
 
-    # Swap each tensor's storage to the output layout, serialize, then restore the handle.
-    saved: list[tuple[onnx.TensorProto, onnx.TensorProto]] = []
-    writer = _DataWriter(dest, options.max_shard_size) if external else None
-    try:
-        for tensor in tensors:
-            if external:
-                assert writer is not None
+    # Work on a copy of the graph: the handle stays as it was. Large tensors are external
+    # references (lazy loading, scratch files), so the copy holds the graph, not the weights.
+    base = onnx.ModelProto()
+    base.CopyFrom(proto)
+    tensors = list(iter_tensors(base))
+    if external:
+        writer = _DataWriter(dest, options.max_shard_size)
+        try:
+            for tensor in tensors:
                 nbytes = tensor_nbytes(tensor)
                 if nbytes < INLINE_THRESHOLD:
                     if is_external(tensor):
-                        saved.append(_backup(tensor))
                         _inline(model, tensor)
                     continue
-                saved.append(_backup(tensor))
                 location, offset = writer.write_tensor(model, tensor, nbytes)
                 _point_to(tensor, location, offset, nbytes)
-            elif is_external(tensor):
-                saved.append(_backup(tensor))
-                _inline(model, tensor)
-        files = writer.close() if writer is not None else []
-        writer = None
-        data = proto.SerializeToString()
+        finally:
+            files = writer.close()
         with open(dest, "wb") as f:
-            f.write(data)
-        del data
-    finally:
-        if writer is not None:
-            writer.close()
-        for tensor, original in saved:
-            tensor.CopyFrom(original)
+            f.write(base.SerializeToString())
+        probe = None
+    else:
+        probe = _write_single_file(model, base, dest)
+        files = []
+    del base
     files.insert(0, dest)
     if options.check:
-        check_saved(dest, reference=model.source)
+        release_free_memory()  # ONNX Runtime is about to load the whole output
+        check_saved(dest, reference=model.source, graph=probe)
     return files
 
 
-def _backup(tensor: onnx.TensorProto) -> tuple[onnx.TensorProto, onnx.TensorProto]:
-    copy = onnx.TensorProto()
-    copy.CopyFrom(tensor)
-    return tensor, copy
+def _write_single_file(model: OnnxModel, base: onnx.ModelProto, dest: Path) -> onnx.ModelProto:
+    """One .onnx file, written without holding the weights in memory.
+
+    Protobuf merges repeated messages: a ModelProto followed by more ``graph { initializer {..} }``
+    fragments parses as one graph with those initializers appended. So the graph is serialized
+    without its large initializers, and each of them is then streamed as such a fragment, its
+    bytes copied from wherever they live (input file, scratch file, memory).
+
+    Returns the written graph with each streamed tensor as a reference to its bytes inside
+    ``dest``: what the ONNX checker needs, without reading the weights back into memory.
+    """
+    large = [t for t in base.graph.initializer if tensor_nbytes(t) >= INLINE_THRESHOLD]
+    large_ids = {id(t) for t in large}
+    small = [t for t in base.graph.initializer if id(t) not in large_ids]
+    for tensor in iter_tensors(base):
+        if id(tensor) not in large_ids and is_external(tensor):
+            _inline(model, tensor)
+    fragments = []
+    for t in large:
+        header = onnx.TensorProto()
+        header.CopyFrom(t)
+        for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data",
+                      "string_data", "external_data"):
+            header.ClearField(field)
+        header.data_location = onnx.TensorProto.DEFAULT
+        fragments.append((t, header.SerializeToString(), tensor_nbytes(t)))
+    kept = [onnx.TensorProto() for _ in small]
+    for dst, src in zip(kept, small, strict=True):
+        dst.CopyFrom(src)
+    del base.graph.initializer[:]
+    base.graph.initializer.extend(kept)
+    probe = onnx.ModelProto()
+    with open(dest, "wb") as f:
+        f.write(base.SerializeToString())
+        probe.CopyFrom(base)
+        for tensor, header, nbytes in fragments:
+            raw_field = _key(_TENSOR_RAW_DATA) + _varint(nbytes)
+            tensor_len = len(header) + len(raw_field) + nbytes
+            init_field = _key(_GRAPH_INITIALIZER) + _varint(tensor_len)
+            graph_len = len(init_field) + tensor_len
+            f.write(_key(_MODEL_GRAPH) + _varint(graph_len) + init_field + header + raw_field)
+            ref = probe.graph.initializer.add()
+            ref.ParseFromString(header)
+            _point_to(ref, dest.name, f.tell(), nbytes)
+            if is_external(tensor):
+                src, ref = model.resolver.path(tensor)
+                _copy_range(src, ref.offset, nbytes, f)
+            elif tensor.HasField("raw_data"):
+                f.write(tensor.raw_data)
+            else:
+                f.write(numpy_helper.to_array(tensor).tobytes())
+    return probe
+
+
+_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
+
+
+def _key(field_number: int) -> bytes:
+    return _varint((field_number << 3) | 2)  # length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | 0x80 if n else b)
+        if not n:
+            return bytes(out)
 
 
 def _inline(model: OnnxModel, tensor: onnx.TensorProto) -> None:
@@ -187,15 +249,29 @@ def _copy_range(src: Path, offset: int, length: int, out) -> None:
             remaining -= len(chunk)
 
 
-def check_saved(path: Path, reference: Path | None = None) -> None:
+def check_saved(path: Path, reference: Path | None = None, graph: onnx.ModelProto | None = None) -> None:
     """``onnx.checker.check_model(path)`` and an ONNX Runtime CPU session on the saved file.
+
+    ``graph``: for a single-file output, the written graph with its large initializers as
+    references to their bytes in ``path``; the checker reads it instead of loading every weight
+    again (same graph, same tensor headers; ONNX Runtime then parses the real file).
 
     A checker failure that the input model shares (e.g. ORT GenAI exports with ORT-only ops
     in the default domain) is logged, not raised: the output must fail no check that the
     input passed. The ONNX Runtime session must always open.
     """
     try:
-        onnx.checker.check_model(str(path))
+        if graph is None:
+            onnx.checker.check_model(str(path))
+        else:
+            # the checker resolves external locations beside the file it reads: put the graph
+            # next to the output for a moment (the output's folder is the run's private one)
+            probe = path.with_name(f".{path.name}.check-{os.getpid()}.onnx")
+            try:
+                probe.write_bytes(graph.SerializeToString())
+                onnx.checker.check_model(str(probe))
+            finally:
+                probe.unlink(missing_ok=True)
     except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as exc:  # type: ignore[attr-defined]
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if reference is not None and reference.suffix == ".onnx" and not _passes_checker(reference):
@@ -220,6 +296,7 @@ def open_session(path: Path):
     opts.log_severity_level = 3
     # the check is that the file loads and every op resolves; optimizing is not needed
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.add_session_config_entry("session.disable_prepacking", "1")  # a packed copy of every weight
     try:
         return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     except Exception as exc:

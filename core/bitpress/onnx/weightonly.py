@@ -33,6 +33,7 @@ import onnx
 from onnx import helper
 
 from bitpress.errors import QuantizationError
+from bitpress.memory import _trim
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx import layout
 from bitpress.onnx.graph import MS_DOMAIN, consumers, producers, used_names
@@ -328,7 +329,8 @@ class Result:
     """What a solver produced for one group, ready to be written."""
 
     group: Group
-    blocks: QuantizedBlocks
+    blocks: QuantizedBlocks  # q is left empty: ``packed`` holds the integers
+    packed: np.ndarray  # uint8 [rows, n_blocks, block_size * bits / 8] (pack_along_last)
     k: int  # true reduction length (before padding)
     dtype: np.dtype  # the weight's float type (scales use it)
     error: float  # relative Frobenius error of the dequantized weight
@@ -396,7 +398,8 @@ def solve_group(
         and not any(u.is_gather for u in group.uses)
     )
     spec = BlockSpec(group.bits, bs, group.symmetric, use_float_zp)
-    q = np.empty((rows, n_blocks, bs), np.uint8)
+    # packed chunk by chunk: the result holds bits/8 bytes per weight, not one
+    packed = np.empty((rows, n_blocks, bs * group.bits // 8), np.uint8)
     scales = np.empty((rows, n_blocks), np.float32)
     zps = None if group.symmetric else np.empty((rows, n_blocks), np.float32 if use_float_zp else np.uint8)
     err_num = 0.0
@@ -411,7 +414,7 @@ def solve_group(
         imp_c = None if imp is None else imp[c.blocks.start * bs : c.blocks.stop * bs]
         out = solver(w3, spec, imp_c)
         _check_solver_output(out, w3.shape, spec, group.weight)
-        q[c.rows, c.blocks] = out.q
+        packed[c.rows, c.blocks] = layout.pack_along_last(out.q, group.bits)
         scales[c.rows, c.blocks] = out.scales
         if zps is not None:
             if out.zero_points is None:
@@ -424,8 +427,8 @@ def solve_group(
         err_num += float(np.einsum("ij,ij->", diff, diff))
         err_den += float(np.einsum("ij,ij->", wv, wv))
         del out, deq, diff
-    blocks = QuantizedBlocks(q, scales, zps)
-    return Result(group, blocks, k, dtype, (err_num / err_den) ** 0.5 if err_den else 0.0)
+    blocks = QuantizedBlocks(np.empty((rows, n_blocks, 0), np.uint8), scales, zps)
+    return Result(group, blocks, packed, k, dtype, (err_num / err_den) ** 0.5 if err_den else 0.0)
 
 
 def _check_solver_output(out: QuantizedBlocks, shape: tuple[int, ...], spec: BlockSpec, name: str) -> None:
@@ -460,7 +463,8 @@ class Writer:
         matmul_uses = [u for u in g.uses if not u.is_gather]
         tag = f"Q{g.bits}"
         if matmul_uses:
-            mt = layout.to_matmul_nbits(res.blocks, g.bits, res.k, scale_dtype, flat=not has_gather)
+            mt = layout.to_matmul_nbits(res.blocks, g.bits, res.k, scale_dtype, flat=not has_gather,
+                                        packed_q=res.packed)
             b_name = f"{weight}_{tag}"
             s_name = f"{weight}_scales"
             z_name = f"{weight}_zero_points" if mt.zero_points is not None else ""
@@ -475,7 +479,7 @@ class Writer:
             gt_attrs = {"bits": g.bits, "block_size": g.block_size, "gather_axis": 0, "quantize_axis": 1}
             if matmul_uses:
                 # tied: one B tensor; the Gather reads it through a Reshape (same bytes)
-                rows = res.blocks.q.shape[0]
+                rows = res.packed.shape[0]
                 shape_name = f"{weight}_gather_shape"
                 data_name = f"{weight}_{tag}_gather"
                 self._add(shape_name, np.array([rows, hidden * g.bits // 8], np.int64))
@@ -485,7 +489,7 @@ class Writer:
                 gs_name, gz_name = s_name, z_name
                 pre = [reshape]
             else:
-                gt = layout.to_gather_block_quantized(res.blocks, g.bits, hidden, scale_dtype)
+                gt = layout.to_gather_block_quantized(res.blocks, g.bits, hidden, scale_dtype, packed_q=res.packed)
                 data_name = f"{weight}_{tag}"
                 gs_name = f"{weight}_scales"
                 gz_name = f"{weight}_zero_points" if gt.zero_points is not None else ""
@@ -611,9 +615,12 @@ def quantize_weights(
                 with lock:
                     writer.write(res)
                 report.quantized += 1
-                report.weights += res.blocks.q.shape[0] * res.k
+                report.weights += res.packed.shape[0] * res.k
                 report.errors[res.group.weight] = res.error
                 advance(1)
+                del res
+            del finished, fut  # the futures hold the results: drop them before trimming
+            _trim(0)
     writer.finish()
     report.stored_bytes = writer.stored_bytes
     return report
