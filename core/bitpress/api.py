@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from bitpress.data import DataConfig
-from bitpress.errors import BitpressError, PassNotFoundError
 from bitpress.evaluate import EvalResult  # also makes `bitpress.evaluate(...)` callable after `import bitpress`
 from bitpress.models.base import ModelHandle
 from bitpress.onnx.save import SaveOptions
@@ -17,6 +16,7 @@ from bitpress.workflow import (
     RunResult,
     Workflow,
     build_workflow,
+    input_kind,
     load_config,
     run_workflow,
 )
@@ -69,18 +69,8 @@ def quantize(
 
 
 def _select(registry: Registry, algorithm: str, precision: str | None, path: Path) -> type[Pass]:
-    """The pass for ``algorithm``: ONNX first (no loading), else for the kind a format plugin loads."""
-    try:
-        return registry.select(algorithm, precision, "onnx")
-    except PassNotFoundError:
-        try:
-            handle = registry.hook.bitpress_load_model(source=path, options={})
-        except BitpressError:
-            handle = None  # report the selection problem, the run reports the input's
-        kind = getattr(handle, "kind", None)
-        if kind in (None, "onnx", "onnx-folder"):
-            raise
-        return registry.select(algorithm, precision, kind)
+    """The pass for ``algorithm`` that accepts the kind of model ``path`` holds."""
+    return registry.select(algorithm, precision, input_kind(registry, path))
 
 
 def run(config: dict[str, Any] | str | Path, *, progress: Any = None,

@@ -1,4 +1,4 @@
-"""The host's own hook implementations: ONNX loading, pass execution and saving.
+"""The host's own hook implementations: ONNX and Hugging Face loading, pass execution and saving.
 
 Registered before any plugin and marked ``trylast``, so a plugin's implementation of the same
 hook is consulted first and these are the fallback.
@@ -12,6 +12,7 @@ from typing import Any
 from bitpress.errors import ModelLoadError
 from bitpress.hookspecs import hookimpl
 from bitpress.models.base import ModelHandle
+from bitpress.models.hf_model import HfModel, is_hf_folder
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.models.package import OnnxPackage
 from bitpress.passes import Pass, PassContext
@@ -23,6 +24,8 @@ def bitpress_load_model(source: Path, options: dict[str, Any]) -> ModelHandle | 
     if not source.exists():
         raise ModelLoadError(f"model not found: {source}")
     if source.is_dir():
+        if is_hf_folder(source):  # config.json and no .onnx: a Hugging Face checkpoint (torch loads it lazily)
+            return HfModel.load(source, options)
         return OnnxPackage.load(source)
     return OnnxModel.load(source)
 
@@ -38,4 +41,10 @@ def bitpress_save_model(model: ModelHandle, destination: Path, options: dict[str
 
     if isinstance(model, OnnxModel):
         return save_onnx(model, destination, SaveOptions(**options))
+    if isinstance(model, HfModel):
+        return model.save(destination)
+    from bitpress.hf.export import HfOnnxExport
+
+    if isinstance(model, HfOnnxExport):
+        return model.save(destination, **options)
     return None

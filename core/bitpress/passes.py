@@ -83,6 +83,8 @@ class Pass(ABC):
     algorithms: ClassVar[tuple[str, ...]] = ()
     precisions: ClassVar[tuple[str, ...]] = ()
     model_kinds: ClassVar[tuple[str, ...]] = ("onnx",)
+    #: the kind of model the pass returns when it converts (e.g. an export); None: unchanged
+    output_kind: ClassVar[str | None] = None
     needs_data: ClassVar[bool] = False
     Options: ClassVar[type] = NoOptions
     summary: ClassVar[str] = ""

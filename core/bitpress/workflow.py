@@ -117,6 +117,7 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
     if not isinstance(raw_passes, list) or not raw_passes:
         raise ConfigError("the config needs a non-empty 'passes' list")
     steps = []
+    model_kind: str | None = None
     for i, entry in enumerate(raw_passes):
         if not isinstance(entry, dict) or "type" not in entry:
             raise ConfigError(f"passes[{i}] must be a mapping with a 'type' (a pass name)")
@@ -132,12 +133,16 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
         env_timeout = entry.pop("env_timeout", config.get("env_timeout"))
         options = {**entry, **options}
         if env is None:
-            cls = _resolve_pass(registry, kind, precision)
+            if model_kind is None:
+                model_kind = input_kind(registry, Path(src))
+            cls = _resolve_pass(registry, kind, precision, model_kind)
         else:
             from bitpress.envs import pinned_pass
 
             cls = pinned_pass(registry, env, kind, precision, _resolve_pass)
         pass_ = cls.from_config(options, precision)
+        if cls.output_kind is not None:  # later algorithm names are chosen for the converted model
+            model_kind = cls.output_kind
         if env_timeout is not None:
             from bitpress.envs.remote import parse_timeout
 
@@ -163,14 +168,32 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
     )
 
 
-def _resolve_pass(registry: Registry, kind: str, precision: str | None) -> type[Pass]:
+def _resolve_pass(registry: Registry, kind: str, precision: str | None, model_kind: str = "onnx") -> type[Pass]:
     if kind in registry.passes:
         return registry.get_pass(kind)
     # accept Olive pass type names mapped by plugins, then algorithm names
     for cls in registry.passes.values():
         if kind in getattr(cls, "aliases", ()):
             return registry.get_pass(cls.name)
-    return registry.select(kind, precision, "onnx")
+    return registry.select(kind, precision, model_kind)
+
+
+def input_kind(registry: Registry, path: Path) -> str:
+    """The model kind passes are chosen for: what the loaders make of ``path``.
+
+    Loading reads the graph or config only (weights stay on disk); a path that cannot be
+    loaded counts as ONNX so that selection errors come first and the run reports the input's.
+    """
+    from bitpress.errors import BitpressError
+
+    if Path(path).suffix.lower() == ".onnx":
+        return "onnx"
+    try:
+        handle = registry.hook.bitpress_load_model(source=Path(path), options={})
+    except BitpressError:
+        return "onnx"
+    kind = getattr(handle, "kind", "onnx")
+    return "onnx" if kind == "onnx-folder" else kind
 
 
 # -- running ------------------------------------------------------------------------------------

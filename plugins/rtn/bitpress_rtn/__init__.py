@@ -15,3 +15,9 @@ __all__ = ["Bnb4Pass", "RtnPass"]
 def bitpress_register_passes(register):
     register(RtnPass)
     register(Bnb4Pass)
+    # Hugging Face (PyTorch) passes: their modules import torch only when they run
+    from bitpress.hf.passes import HfToOnnxPass
+    from bitpress_rtn.hf_passes import RtnHfPass
+
+    register(RtnHfPass)
+    register(HfToOnnxPass)  # host code; every plugin with HF passes registers the same class

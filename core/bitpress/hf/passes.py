@@ -1,0 +1,97 @@
+"""Pass classes for Hugging Face models: the base of the PyTorch weight quantizers, and the export.
+
+A plugin supplies the block solver (``rtn_solver``, ``kquant_solver``) by subclassing
+:class:`HfQuantPass`, exactly as ONNX weight-only passes subclass
+:class:`bitpress.onnx.weightonly.WeightOnlyPass`. :class:`HfToOnnxPass` is host code that the
+plugins register (the same class from several plugins is one pass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from bitpress.errors import QuantizationError
+from bitpress.hf.rules import HfQuantOptions
+from bitpress.models.hf_model import HfModel
+from bitpress.options import option
+from bitpress.passes import Pass, PassContext
+from bitpress.quant.solver import BlockSolver
+
+HF_REQUIRES = ("torch", "transformers", "safetensors")
+HF_INSTALL_HINT = 'pip install "torch==2.13.0" "transformers==5.17.0" safetensors'
+
+
+class HfQuantPass(Pass):
+    """Weight-only quantization of a PyTorch (Hugging Face) model; subclasses provide :meth:`solver`."""
+
+    model_kinds: ClassVar[tuple[str, ...]] = ("hf",)
+    precisions: ClassVar[tuple[str, ...]] = ("int2", "int4", "int8")
+    Options: ClassVar[type] = HfQuantOptions
+    requires: ClassVar[tuple[str, ...]] = HF_REQUIRES
+    install_hint: ClassVar[str | None] = HF_INSTALL_HINT
+
+    def solver(self) -> BlockSolver:
+        raise NotImplementedError
+
+    def float_zero_points(self) -> bool:
+        return bool(getattr(self.options, "float_zero_points", False))
+
+    def run(self, model: Any, context: PassContext) -> Any:
+        from bitpress.hf import quantize
+
+        if not isinstance(model, HfModel):
+            raise QuantizationError(f"{self.name} quantizes Hugging Face models, got {model.kind}")
+        opts = self.options
+        model.allow(trust_remote_code=opts.trust_remote_code, allow_pickle=opts.allow_pickle)
+        rules = opts.rules()
+        torch_model = model.torch_model()
+        p = quantize.plan(torch_model, rules, float_zero_points=self.float_zero_points())  # raises before any work
+        with context.step(len(p.jobs), "quantizing") as advance:
+            report = quantize.apply(torch_model, p, self.solver(), jobs=context.jobs, progress=advance)
+        record = {k: v for k, v in asdict(opts).items() if k not in ("trust_remote_code", "allow_pickle")}
+        model.history.append({"pass": self.name, "options": record})
+        context.extras.setdefault("reports", []).append((self.name, model.source, report))
+        return model
+
+
+@dataclass
+class HfToOnnxOptions:
+    split_embedding: bool = option(
+        False, "write embedding.onnx + decoder.onnx (a tied table stored once, shared) instead of model.onnx"
+    )
+    opset: int = option(17, "ONNX opset of the traced graph")
+    trust_remote_code: bool = option(False, "allow the model folder's own Python code (auto_map) to run when loading")
+    allow_pickle: bool = option(False, "allow loading .bin/.pt pickled weights (trusted sources only)")
+
+    def validate(self) -> None:
+        if not 14 <= self.opset <= 21:
+            raise ValueError(f"opset must be from 14 to 21, got {self.opset}")
+
+
+class HfToOnnxPass(Pass):
+    """Export to ONNX: quantized linears as MatMulNBits, quantized embeddings as GatherBlockQuantized."""
+
+    name = "hf_to_onnx"
+    algorithms = ("onnx-export",)
+    precisions = ()
+    model_kinds: ClassVar[tuple[str, ...]] = ("hf",)
+    output_kind: ClassVar[str | None] = "onnx"
+    summary = "export a Hugging Face model (quantized or not) to ONNX with MatMulNBits / GatherBlockQuantized"
+    Options: ClassVar[type] = HfToOnnxOptions
+    requires: ClassVar[tuple[str, ...]] = HF_REQUIRES
+    install_hint: ClassVar[str | None] = HF_INSTALL_HINT
+    aliases: ClassVar[tuple[str, ...]] = ("OnnxConversion",)
+
+    def run(self, model: Any, context: PassContext) -> Any:
+        import tempfile
+        from pathlib import Path
+
+        from bitpress.hf.export import export
+
+        if not isinstance(model, HfModel):
+            raise QuantizationError(f"{self.name} exports Hugging Face models, got {model.kind}")
+        o = self.options
+        model.allow(trust_remote_code=o.trust_remote_code, allow_pickle=o.allow_pickle)
+        workdir = context.workdir if context.workdir is not None else Path(tempfile.mkdtemp(prefix="bitpress-export-"))
+        return export(model, Path(workdir) / "export", split_embedding=o.split_embedding, opset=o.opset)

@@ -1,0 +1,333 @@
+"""Quantize a PyTorch (Hugging Face) model's weights in place with a block solver.
+
+:func:`plan` decides everything (targets, categories, settings, ties, MoE layouts) and raises
+before any parameter is touched; :func:`apply` then solves each parameter with the same
+:class:`~bitpress.quant.solver.BlockSolver` the ONNX passes use and swaps its storage for a
+:class:`~bitpress.hf.qtensor.QuantTensor`. Modules are not replaced.
+
+Targets: ``nn.Linear`` weights (category ``linear``, or ``lm_head`` for the output embeddings),
+``nn.Embedding`` tables (``embeds``), and under an experts subtree (a module named ``experts``)
+either ``nn.Linear`` weights of per-expert lists or the 3-D parameters of a fused experts module
+(``moe``). Weights are quantized along their last axis (K for ``[OUT, K]`` linears, hidden for
+``[vocab, hidden]`` tables, K for fused ``(E, OUT, K)`` experts), in blocks of ``group_size``.
+
+Tied parameters (one ``nn.Parameter`` reached from several modules, e.g. the input embedding
+and the LM head) are resolved per module: all quantized with one layout (one quantized tensor
+shared by every module), or some left float (the tie is split, the float side keeps the
+original parameter), and conflicting settings are refused before any work.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from bitpress.errors import QuantizationError
+from bitpress.hf.qtensor import QuantSpec, QuantTensor
+from bitpress.hf.rules import Decision, Rules, Settings
+from bitpress.onnx.weightonly import Report
+from bitpress.quant.solver import BlockSolver, BlockSpec, QuantizedBlocks
+
+log = logging.getLogger(__name__)
+
+#: float32 elements handed to a solver at once (bounds the scratch memory per parameter)
+CHUNK_ELEMENTS = 1 << 20
+#: embedding tables with fewer rows stay float, as in the ONNX passes (gather_min_rows): token-type
+#: tables save nothing and their error reaches every token
+MIN_TABLE_ROWS = 64
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
+
+
+@dataclass
+class Endpoint:
+    """One module attribute holding a quantizable parameter."""
+
+    module_name: str
+    attr: str
+    module: nn.Module
+    category: str  # linear | lm_head | embeds | moe
+    kind: str  # linear | embedding | experts
+    decision: Decision | None = None
+
+    @property
+    def param_name(self) -> str:
+        return f"{self.module_name}.{self.attr}" if self.module_name else self.attr
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.module_name, self.param_name)
+
+
+@dataclass
+class Job:
+    """One parameter to quantize, and which of its endpoints read the quantized form."""
+
+    param: nn.Parameter
+    quantized: list[Endpoint]
+    kept_float: list[Endpoint]
+    settings: Settings
+    zero_points: str  # none | uint8 | float
+
+    @property
+    def name(self) -> str:
+        return self.quantized[0].param_name
+
+
+@dataclass
+class Plan:
+    jobs: list[Job]
+    skipped: dict[str, str] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+# -- discovery ----------------------------------------------------------------------------------------
+def config_is_moe(config: Any) -> bool:
+    """Whether a transformers config describes a mixture-of-experts model."""
+    configs = [config]
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        text = get_text()
+        if text is not None and text is not config:
+            configs.append(text)
+    for cfg in configs:
+        for key in _MOE_KEYS:
+            value = getattr(cfg, key, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+                return True
+    return False
+
+
+def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The roots of the experts subtrees: modules whose own name is ``experts``."""
+    return {name: mod for name, mod in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"}
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    getter = getattr(model, "get_output_embeddings", None)
+    try:
+        return getter() if callable(getter) else None
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def endpoints(model: nn.Module) -> list[Endpoint]:
+    """Every quantizable module attribute, in module order (a tied parameter appears once per module)."""
+    experts = experts_modules(model)
+    head = _output_embeddings(model)
+    found: list[Endpoint] = []
+    for name, mod in model.named_modules(remove_duplicate=False):
+        root = next((e for e in experts if name == e or name.startswith(e + ".")), None)
+        if root is not None:
+            if name == root and not isinstance(mod, nn.ModuleList):
+                for attr, p in mod.named_parameters(recurse=False):
+                    if p.dim() == 3:  # fused (E, ., .) weights; 2-D biases stay float
+                        found.append(Endpoint(name, attr, mod, "moe", "experts"))
+            if isinstance(mod, nn.Linear):
+                found.append(Endpoint(name, "weight", mod, "moe", "linear"))
+        elif isinstance(mod, nn.Embedding):
+            found.append(Endpoint(name, "weight", mod, "embeds", "embedding"))
+        elif isinstance(mod, nn.Linear):
+            is_head = mod is head or (head is None and name.rsplit(".", 1)[-1] in ("lm_head", "output"))
+            found.append(Endpoint(name, "weight", mod, "lm_head" if is_head else "linear", "linear"))
+    return found
+
+
+# -- planning -----------------------------------------------------------------------------------------
+def _describe(s: Settings) -> str:
+    return f"{s.bits} bits, group_size {s.group_size}, {'symmetric' if s.symmetric else 'asymmetric'}"
+
+
+def _experts_layout_problem(ep: Endpoint) -> str | None:
+    flag = getattr(ep.module, "is_transposed", None)
+    cls = type(ep.module).__name__
+    if flag is False:
+        return None
+    if flag is True:
+        return (f"{ep.param_name}: {cls} stores fused experts transposed as (E, K, OUT) (is_transposed=True, "
+                "e.g. gpt-oss); only the (E, OUT, K) layout is supported")
+    return (f"{ep.param_name}: {cls} does not report is_transposed, so the layout of its fused expert weights "
+            "cannot be verified; refusing rather than quantizing along the wrong dimension")
+
+
+def plan(model: nn.Module, rules: Rules, *, float_zero_points: bool = False) -> Plan:
+    """Decide what to quantize; raises :class:`QuantizationError` (before any work) on any problem."""
+    config = getattr(model, "config", None)
+    experts = experts_modules(model)
+    if config is not None and config_is_moe(config) and not experts:
+        raise QuantizationError(
+            f"{type(model).__name__} is a mixture-of-experts model but its experts subtree (a module named "
+            "'experts') was not found; refusing to quantize rather than treating experts as plain linears"
+        )
+    eps = endpoints(model)
+    groups: dict[int, list[Endpoint]] = {}
+    for ep in eps:
+        groups.setdefault(id(getattr(ep.module, ep.attr)), []).append(ep)
+
+    out = Plan([])
+    errors: list[str] = []
+    for group in groups.values():
+        param = getattr(group[0].module, group[0].attr)
+        name = group[0].param_name
+        if isinstance(param, QuantTensor):
+            out.skipped[name] = "already quantized (left as it is)"
+            continue
+        if not param.dtype.is_floating_point:
+            out.skipped[name] = f"not a float parameter ({param.dtype})"
+            continue
+        for ep in group:
+            ep.decision = rules.resolve(ep.names, ep.category)
+        quantized = [ep for ep in group if ep.decision and ep.decision.settings is not None]
+        kept = [ep for ep in group if ep not in quantized]
+        if not quantized:
+            out.skipped[name] = group[0].decision.reason if group[0].decision else "not selected"
+            continue
+        settings = {ep.decision.settings for ep in quantized}  # type: ignore[union-attr]
+        if len(settings) > 1:
+            ends = "; ".join(f"{ep.module_name} ({_describe(ep.decision.settings)}, from {ep.decision.reason})"  # type: ignore[union-attr,arg-type]
+                             for ep in quantized)
+            errors.append(
+                f"tied weight {name} is shared by modules that ask for different layouts: {ends}. A tied table is "
+                "quantized once, with one layout, for every module that uses it: give them the same settings, or "
+                "exclude one side (it then keeps a float copy)"
+            )
+            continue
+        s = settings.pop()
+        kinds = {ep.kind for ep in quantized}
+        if kinds == {"embedding"} and param.shape[0] < MIN_TABLE_ROWS:
+            out.skipped[name] = f"embedding table with {param.shape[0]} rows (< {MIN_TABLE_ROWS}): kept in float"
+            continue
+        for ep in quantized:
+            if ep.kind == "experts":
+                problem = _experts_layout_problem(ep)
+                if problem:
+                    errors.append(problem)
+        k = int(param.shape[-1])
+        if "embedding" in kinds and "linear" in kinds and k % s.group_size:
+            # one table read by a Gather and a MatMul shares its bytes only when blocks tile its rows exactly
+            fit = next((g for g in (256, 128, 64, 32, 16) if g < s.group_size and k % g == 0), None)
+            if fit is None:
+                errors.append(f"tied table {name} of width {k} has no group size from 16 up that divides it")
+                continue
+            out.notes[name] = f"tied table of width {k}: group_size {s.group_size} -> {fit} so both ends share it"
+            s = Settings(s.bits, fit, s.symmetric)
+        if s.symmetric:
+            zp = "none"
+        elif float_zero_points and s.bits == 4 and "embedding" not in kinds:
+            zp = "float"  # MatMulNBits takes float offsets at 4 bits; GatherBlockQuantized never does
+        else:
+            zp = "uint8"
+        if kept:
+            why = kept[0].decision.reason if kept[0].decision else ""
+            split = (f"tie split: quantized for {', '.join(ep.module_name for ep in quantized)}, "
+                     f"float for {', '.join(ep.module_name for ep in kept)} ({why})")
+            out.notes[name] = f"{out.notes[name]}; {split}" if name in out.notes else split
+        out.jobs.append(Job(param, quantized, kept, s, zp))
+    if errors:
+        raise QuantizationError("; ".join(errors))
+    return out
+
+
+# -- solving ------------------------------------------------------------------------------------------
+@dataclass
+class _Solved:
+    job: Job
+    tensor: QuantTensor
+    error: float
+
+
+def _solve(job: Job, solver: BlockSolver) -> _Solved:
+    s = job.settings
+    w = job.param.detach().to(torch.float32).reshape(-1, job.param.shape[-1]).numpy()
+    rows, k = w.shape
+    bs = s.group_size
+    n_blocks = -(-k // bs)
+    spec = BlockSpec(s.bits, bs, s.symmetric, job.zero_points == "float")
+    q = np.empty((rows, n_blocks, bs), np.uint8)
+    scales = np.empty((rows, n_blocks), np.float32)
+    zps = None if s.symmetric else np.empty((rows, n_blocks), np.float32 if job.zero_points == "float" else np.uint8)
+    num = den = 0.0
+    step = max(1, CHUNK_ELEMENTS // (n_blocks * bs))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        chunk = np.zeros((r1 - r0, n_blocks * bs), np.float32)
+        chunk[:, :k] = w[r0:r1]
+        if not np.isfinite(chunk).all():
+            raise QuantizationError(f"{job.name} holds NaN or infinite values; cannot quantize it")
+        w3 = chunk.reshape(r1 - r0, n_blocks, bs)
+        res = solver(w3, spec, None)
+        if res.q.shape != w3.shape or res.q.dtype != np.uint8 or (res.q.size and int(res.q.max()) >= 2**s.bits):
+            raise QuantizationError(f"the block solver returned malformed integers for {job.name}")
+        q[r0:r1], scales[r0:r1] = res.q, res.scales
+        if zps is not None:
+            if res.zero_points is None:
+                raise QuantizationError(f"the block solver returned no zero points for asymmetric {job.name}")
+            zps[r0:r1] = res.zero_points
+        deq = (res.q.astype(np.float32) - res.implied_zero_points(s.bits)[..., None]) * res.scales[..., None]
+        diff = (deq - w3).reshape(r1 - r0, -1)[:, :k]
+        num += float(np.einsum("ij,ij->", diff, diff))
+        den += float(np.einsum("ij,ij->", w[r0:r1], w[r0:r1]))
+    qspec = QuantSpec(s.bits, bs, s.symmetric, tuple(job.param.shape), job.param.dtype, job.zero_points)
+    tensor = QuantTensor.from_blocks(QuantizedBlocks(q, scales, zps), qspec)
+    return _Solved(job, tensor, (num / den) ** 0.5 if den else 0.0)
+
+
+def apply(model: nn.Module, p: Plan, solver: BlockSolver, *, jobs: int = 1,
+          progress: Callable[[int], None] | None = None) -> Report:
+    """Quantize every job of ``p`` and swap the parameters; returns what was done."""
+    report = Report(skipped=dict(p.skipped))
+    for what, why in p.skipped.items():
+        log.info("not quantized: %s: %s", what, why)
+    for what, why in p.notes.items():
+        log.info("%s: %s", what, why)
+    order = sorted(p.jobs, key=lambda j: -j.param.numel())
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        for solved in pool.map(lambda j: _solve(j, solver), order):
+            job = solved.job
+            new = nn.Parameter(solved.tensor, requires_grad=False)
+            for ep in job.quantized:
+                setattr(ep.module, ep.attr, new)  # every quantized endpoint shares one tensor
+            report.quantized += 1
+            report.weights += job.param.numel()
+            t = solved.tensor
+            report.stored_bytes += t.qweight.numel() + t.scales.numel() * 4 + (
+                0 if t.qzeros is None else t.qzeros.numel() * t.qzeros.element_size())
+            report.errors[job.name] = solved.error
+            if progress is not None:
+                progress(1)
+    if any(job.kept_float for job in p.jobs):
+        _untie_config(model, p)
+    if not p.jobs:
+        log.warning("no weights to quantize")
+    return report
+
+
+def _untie_config(model: nn.Module, p: Plan) -> None:
+    """A split tie must not be re-tied on reload: the float side is saved as its own weight."""
+    split = {ep.module_name for job in p.jobs for ep in job.quantized + job.kept_float if job.kept_float}
+    emb = getattr(model, "get_input_embeddings", lambda: None)()
+    head = _output_embeddings(model)
+    names = {n for n, m in model.named_modules() if m is emb or m is head}
+    if split & names:
+        config = getattr(model, "config", None)
+        for cfg in {id(c): c for c in _configs(config)}.values():
+            if getattr(cfg, "tie_word_embeddings", None):
+                cfg.tie_word_embeddings = False
+
+
+def _configs(config: Any) -> list[Any]:
+    if config is None:
+        return []
+    out = [config]
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        text = get_text()
+        if text is not None:
+            out.append(text)
+    return out
