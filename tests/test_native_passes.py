@@ -177,3 +177,20 @@ def test_activation_statistics_lower_the_output_error(tmp_path, algorithm):
         errs[label] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
     print(algorithm, errs)
     assert errs["imatrix"] < 0.9 * errs["plain"], errs
+
+
+@pytest.mark.parametrize("algorithm", ["rtn", "kquant", "hqq"])
+def test_nan_weights_are_a_clear_error(tmp_path, algorithm):
+    from bitpress.errors import QuantizationError
+
+    w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    w[3, 5] = np.nan
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 32])],
+                          [numpy_helper.from_array(w, "W")])
+    src = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(src))
+    with pytest.raises(QuantizationError, match="W"), np.errstate(invalid="ignore"):
+        bitpress.quantize(src, tmp_path / "q.onnx", algorithm=algorithm, precision="int4")
+    assert not (tmp_path / "q.onnx").exists()

@@ -376,8 +376,11 @@ def iter_chunks(model: OnnxModel, group: Group) -> Iterator[Chunk]:
             b1 = min(n_blocks, b0 + blocks_per_step)
             k0, k1 = b0 * bs, min(k, b1 * bs)
             band = reader(k0, k1).astype(np.float32, copy=False)  # [k1 - k0, N]
-            w = np.zeros((rows, (b1 - b0) * bs), np.float32)
-            w[:, : k1 - k0] = band.T
+            if k1 - k0 == (b1 - b0) * bs:
+                w = np.ascontiguousarray(band.T)
+            else:  # the last band: pad K with zeros to whole blocks
+                w = np.zeros((rows, (b1 - b0) * bs), np.float32)
+                w[:, : k1 - k0] = band.T
             yield Chunk(slice(0, rows), slice(b0, b1), w.reshape(rows, b1 - b0, bs), k1 - k0)
 
 
@@ -409,24 +412,35 @@ def solve_group(
     imp = None if importance is None else np.pad(importance.astype(np.float32), (0, n_blocks * bs - k))
     for c in iter_chunks(model, group):
         w3 = c.w
-        if not np.isfinite(w3).all():
-            raise QuantizationError(f"weight {group.weight} holds NaN or infinite values; cannot quantize it")
         imp_c = None if imp is None else imp[c.blocks.start * bs : c.blocks.stop * bs]
-        out = solver(w3, spec, imp_c)
+        try:
+            out = solver(w3, spec, imp_c)
+        except ValueError as exc:  # solvers refuse what they cannot quantize (NaN weights, ...)
+            raise QuantizationError(f"weight {group.weight}: {exc}") from None
         _check_solver_output(out, w3.shape, spec, group.weight)
+        # NaN / inf weights make every solver's scales non-finite: one check on the small array
+        if not np.isfinite(out.scales).all():
+            raise QuantizationError(f"weight {group.weight} holds NaN or infinite values; cannot quantize it")
         packed[c.rows, c.blocks] = layout.pack_along_last(out.q, group.bits)
         scales[c.rows, c.blocks] = out.scales
         if zps is not None:
             if out.zero_points is None:
                 raise QuantizationError(f"solver returned no zero points for asymmetric {group.weight}")
             zps[c.rows, c.blocks] = out.zero_points
-        deq = (out.q.astype(np.float32) - out.implied_zero_points(spec.bits)[..., None]) * out.scales[..., None]
+        # error of this chunk, in place (one temporary): deq = (q - zp) * scale - w
+        deq = out.q.astype(np.float32)
+        deq -= out.implied_zero_points(spec.bits)[..., None]
+        deq *= out.scales[..., None]
+        deq -= w3
         nrows = w3.shape[0]
-        diff = (deq - w3).reshape(nrows, -1)[:, : c.k_valid]
-        wv = w3.reshape(nrows, -1)[:, : c.k_valid]
-        err_num += float(np.einsum("ij,ij->", diff, diff))
-        err_den += float(np.einsum("ij,ij->", wv, wv))
-        del out, deq, diff
+        if c.k_valid == w3.shape[1] * bs:
+            flat_d, flat_w = deq.reshape(-1), w3.reshape(-1)
+        else:  # the zero padding of the last block is not part of the weight
+            flat_d, flat_w = deq.reshape(nrows, -1)[:, : c.k_valid], w3.reshape(nrows, -1)[:, : c.k_valid]
+            flat_d, flat_w = flat_d.ravel(), flat_w.ravel()
+        err_num += float(np.dot(flat_d, flat_d))
+        err_den += float(np.dot(flat_w, flat_w))
+        del out, deq, flat_d, flat_w
     blocks = QuantizedBlocks(np.empty((rows, n_blocks, 0), np.uint8), scales, zps)
     return Result(group, blocks, packed, k, dtype, (err_num / err_den) ** 0.5 if err_den else 0.0)
 
