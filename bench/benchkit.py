@@ -103,6 +103,11 @@ class Tool:
     command: CommandBuilder
     side: str = "peer"  # "bitpress" or "peer": ratios are bitpress rows over peer rows
     baseline: bool = True  # bitpress rows: the row ratios are computed for
+    quality_from: str | None = None  # writes the same output as this tool: its quality is not re-measured
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.]+", "-", self.name).strip("-")
 
 
 # -- measuring one process tree ----------------------------------------------------------------------
@@ -204,22 +209,13 @@ def run_measured(
             stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=cwd, start_new_session=True,
         )
         helper = proc.pid
-        peak = peak_anon = peak_file = 0
         seen: set[int] = set()
-        while proc.poll() is None:
-            tree = _children(helper)
-            seen.update(tree)
-            anon = filed = 0
-            for p in tree:
-                mem = _proc_mem(p)
-                if mem is not None:
-                    anon += mem[0] + mem[2]
-                    filed += mem[1]
-            if anon + filed > peak:
-                peak, peak_anon, peak_file = anon + filed, anon, filed
-            if time.perf_counter() - t0 > timeout:
-                os.killpg(helper, 9)  # the tool's whole process group
-            time.sleep(POLL_S)
+        try:
+            _sample(proc, helper, t0, timeout, seen, peaks := [0, 0, 0])
+        except BaseException:  # interrupted: do not leave the tool running in its own session
+            os.killpg(helper, 9)
+            raise
+        peak, peak_anon, peak_file = peaks
         wall = time.perf_counter() - t0
         busy = _busy_cpu_s() - busy0
         self1 = os.times()
@@ -234,6 +230,27 @@ def run_measured(
         processes=len(seen), others_cores=max(0.0, (busy - mine) / wall) if wall else 0.0,
         returncode=proc.returncode,
     )
+
+
+def _sample(proc: subprocess.Popen[bytes], helper: int, t0: float, timeout: float, seen: set[int],
+            peaks: list[int]) -> None:
+    """Poll the tool's process tree until it exits; ``peaks`` = [total, anon, file] at the largest total."""
+    peak = 0
+    while proc.poll() is None:
+        tree = _children(helper)
+        seen.update(tree)
+        anon = filed = 0
+        for p in tree:
+            mem = _proc_mem(p)
+            if mem is not None:
+                anon += mem[0] + mem[2]
+                filed += mem[1]
+        if anon + filed > peak:
+            peak = anon + filed
+            peaks[:] = [peak, anon, filed]
+        if time.perf_counter() - t0 > timeout:
+            os.killpg(helper, 9)  # the tool's whole process group
+        time.sleep(POLL_S)
 
 
 def tree_size(path: Path) -> int:
@@ -504,6 +521,7 @@ def run_suite(
     chosen_tools = [t for t in tools if not only_tools or t.name in set(only_tools)]
     rows: list[Row] = []
     model_info = []
+    source_before = source_state()
     for model in chosen_models:
         path = model.ensure()
         size = model_size(path)
@@ -515,8 +533,8 @@ def run_suite(
         jobs: list[tuple[Row, Tool, Job]] = []
         for variant in variants:
             for tool in chosen_tools:
-                job = Job(path, out_root / f"{tool.name}-{variant.key}", variant,
-                          WORK / "scratch" / model.name / f"{tool.name}-{variant.key}")
+                job = Job(path, out_root / f"{tool.slug}-{variant.key}", variant,
+                          WORK / "scratch" / model.name / f"{tool.slug}-{variant.key}")
                 built = _fresh(tool, job)
                 if built is None:
                     continue
@@ -530,7 +548,7 @@ def run_suite(
                 built = _fresh(tool, job)  # a fresh scratch (tool caches) and output every run
                 assert built is not None
                 argv, env = built
-                log = WORK / "logs" / model.name / f"{tool.name}-{job.variant.key}-{rep}.log"
+                log = WORK / "logs" / model.name / f"{tool.slug}-{job.variant.key}-{rep}.log"
                 print(f"[bench] {model.name} {tool.name} {job.variant.key} run {rep + 1}/{model.repeats}",
                       end="", flush=True)
                 m = run_measured(argv, log, env, cwd=job.scratch)
@@ -544,19 +562,28 @@ def run_suite(
                     try:
                         onnx_path = find_onnx(job.output)
                         row.output_bytes = tree_size(job.output)
-                        row.quality = evaluate(model, onnx_path)
+                        same = [r for r in rows if r.tool == tool.quality_from and r.model == row.model
+                                and r.variant == row.variant and r.quality]
+                        row.quality = (dict(same[0].quality, same_as=tool.quality_from) if same
+                                       else evaluate(model, onnx_path))
                     except Exception as exc:  # a tool's broken output is a result, not a crash
                         row.error = f"evaluation failed: {type(exc).__name__}: {exc}"
                 if not keep_outputs and rep == model.repeats - 1:
                     shutil.rmtree(job.output, ignore_errors=True)
                     shutil.rmtree(job.scratch, ignore_errors=True)
+    source_after = source_state()
+    if source_after != source_before:
+        print(f"[bench] WARNING: the code under test changed during the run ({source_before} -> {source_after})",
+              flush=True)
     result = {
         "suite": suite,
+        "source": source_before,
+        "source_changed_during_run": source_after != source_before,
         "machine": machine_info(),
         "models": model_info,
         "variants": [{"key": v.key, "label": v.label} for v in variants],
         "tools": [{"name": t.name, "label": t.label, "side": t.side} for t in chosen_tools],
-        "rows": [asdict(r) | r.summary() for r in rows],
+        "rows": [asdict(r) | r.summary() | {"source": source_before} for r in rows],
         **(extra or {}),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -615,6 +642,24 @@ def machine_info() -> dict[str, Any]:
     return {
         "cpu": cpu, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
         "ram_bytes": mem, "kernel": platform.release(), "python": sys.version.split()[0],
+    }
+
+
+def source_state(paths: Sequence[str] = ("core", "plugins")) -> dict[str, Any]:
+    """The git commit of the code under test, and a digest of uncommitted changes to it."""
+    import hashlib
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                                  check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    diff = git("diff", "HEAD", "--", *paths) + git("ls-files", "--others", "--exclude-standard", "--", *paths)
+    return {
+        "commit": git("rev-parse", "--short", "HEAD").strip() or "unknown",
+        "uncommitted": hashlib.sha1(diff.encode()).hexdigest()[:10] if diff else None,
     }
 
 

