@@ -17,6 +17,11 @@ def _malloc_trim() -> Callable[[int], int]:
 _trim = _malloc_trim()
 
 
+def trim_heap() -> None:
+    """malloc_trim only: cheap enough to call after every tensor."""
+    _trim(0)
+
+
 def release_free_memory() -> None:
     """Return freed heap memory to the OS (glibc keeps it per thread arena otherwise).
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import tempfile
-import threading
 from collections import defaultdict
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -33,11 +32,11 @@ import onnx
 from onnx import helper
 
 from bitpress.errors import QuantizationError
-from bitpress.memory import _trim
+from bitpress.memory import trim_heap
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx import layout
 from bitpress.onnx.graph import MS_DOMAIN, consumers, producers, used_names
-from bitpress.onnx.tensors import is_external, np_dtype
+from bitpress.onnx.tensors import np_dtype
 from bitpress.options import option
 from bitpress.passes import Pass, PassContext
 from bitpress.quant.solver import BlockSolver, BlockSpec, QuantizedBlocks
@@ -601,7 +600,6 @@ def quantize_weights(
         return report
     writer = Writer(model, opts.accuracy_level)
     jobs = max(1, int(context.jobs))
-    lock = threading.Lock()
 
     def work(group: Group) -> Result:
         imp = None
@@ -626,15 +624,14 @@ def quantize_weights(
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             for fut in finished:
                 res = fut.result()
-                with lock:
-                    writer.write(res)
+                writer.write(res)  # protobuf edits stay on this thread
                 report.quantized += 1
                 report.weights += res.packed.shape[0] * res.k
                 report.errors[res.group.weight] = res.error
                 advance(1)
                 del res
             del finished, fut  # the futures hold the results: drop them before trimming
-            _trim(0)
+            trim_heap()
     writer.finish()
     report.stored_bytes = writer.stored_bytes
     return report
@@ -699,7 +696,6 @@ __all__ = [
     "Report",
     "WeightOnlyOptions",
     "WeightOnlyPass",
-    "is_external",
     "plan",
     "quantize_weights",
 ]
