@@ -65,5 +65,6 @@ def rtn_solver(
     with np.errstate(divide="ignore"):
         recip = np.where(scales != 0, np.float32(1) / scales, np.float32(0)).astype(np.float32)
     x = w * recip[..., None] + np.asarray(offset, dtype=np.float32)[..., None]
-    q = np.clip(_roundf(x), 0, qmax).astype(np.uint8)
+    with np.errstate(invalid="ignore"):  # NaN weights: the caller rejects their non-finite scales
+        q = np.clip(_roundf(x), 0, qmax).astype(np.uint8)
     return QuantizedBlocks(q=q, scales=scales.astype(np.float32), zero_points=zp)
