@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bitpress.options import option
+from bitpress.quant.solver import check_block_size
 from bitpress.selection import compile_regex
 
 BITS = (2, 4, 8)
@@ -52,8 +53,7 @@ def check_bits_group(bits: int, group_size: int, where: str = "") -> None:
     if bits not in BITS:
         raise ValueError(f"{where}bits must be one of {', '.join(map(str, BITS))}, got {bits}")
     # MatMulNBits / GatherBlockQuantized take powers of two from 16; the host's ONNX writer stops at 256
-    if group_size < 16 or group_size > 256 or group_size & (group_size - 1):
-        raise ValueError(f"{where}group_size must be a power of two from 16 to 256, got {group_size}")
+    check_block_size(group_size, f"{where}group_size")
 
 
 class _Pattern:

@@ -39,7 +39,7 @@ from bitpress.onnx.graph import MS_DOMAIN, consumers, producers, used_names
 from bitpress.onnx.tensors import np_dtype
 from bitpress.options import option
 from bitpress.passes import Pass, PassContext
-from bitpress.quant.solver import BlockSolver, BlockSpec, QuantizedBlocks
+from bitpress.quant.solver import BlockSolver, BlockSpec, QuantizedBlocks, check_block_size
 from bitpress.selection import NameMatcher
 
 log = logging.getLogger(__name__)
@@ -94,8 +94,7 @@ class WeightOnlyOptions:
 def check_bits_block(bits: int, block_size: int, where: str) -> None:
     if bits not in (4, 8):
         raise ValueError(f"{where}bits must be 4 or 8, got {bits}")
-    if block_size < 16 or block_size > 256 or block_size & (block_size - 1):
-        raise ValueError(f"{where}block_size must be a power of two from 16 to 256, got {block_size}")
+    check_block_size(block_size, f"{where}block_size")
 
 
 # -- what to quantize ------------------------------------------------------------------------------

@@ -4,6 +4,6 @@ Nothing here knows about ONNX or torch; the ONNX writers (``bitpress.onnx``) and
 Hugging Face path both call solvers through this contract.
 """
 
-from bitpress.quant.solver import BlockSolver, BlockSpec, QuantizedBlocks, dequantize
+from bitpress.quant.solver import BlockSolver, BlockSpec, QuantizedBlocks, check_block_size, dequantize
 
-__all__ = ["BlockSolver", "BlockSpec", "QuantizedBlocks", "dequantize"]
+__all__ = ["BlockSolver", "BlockSpec", "QuantizedBlocks", "check_block_size", "dequantize"]

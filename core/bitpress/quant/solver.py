@@ -59,6 +59,12 @@ class BlockSolver(Protocol):
     ) -> QuantizedBlocks: ...
 
 
+def check_block_size(block_size: int, name: str = "block_size") -> None:
+    """The block sizes every bitpress writer and kernel takes: powers of two from 16 to 256."""
+    if block_size < 16 or block_size > 256 or block_size & (block_size - 1):
+        raise ValueError(f"{name} must be a power of two from 16 to 256, got {block_size}")
+
+
 def dequantize(blocks: QuantizedBlocks, bits: int) -> np.ndarray:
     """float32 ``[rows, n_blocks, block_size]`` reconstruction of ``blocks``."""
     zp = blocks.implied_zero_points(bits)

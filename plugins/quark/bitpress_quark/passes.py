@@ -19,6 +19,7 @@ from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.tensors import iter_graphs
 from bitpress.options import option
 from bitpress.passes import Pass, PassContext
+from bitpress.quant.solver import check_block_size
 from bitpress_quark.runner import calibration_feeds, placeholder_feeds, reject_fallback, run_quark
 
 #: shown when Quark is missing; an environment of its own because Quark pins onnx<=1.22.0
@@ -236,9 +237,7 @@ class QuarkInt4Options:
     )
 
     def validate(self) -> None:
-        b = self.block_size
-        if b < 16 or b > 256 or b & (b - 1):
-            raise ValueError(f"block_size must be a power of two from 16 to 256, got {b}")
+        check_block_size(self.block_size)
         if not 0 <= self.accuracy_level <= 4:
             raise ValueError(f"accuracy_level must be 0 to 4, got {self.accuracy_level}")
         if self.algorithm == "hqq" and self.symmetric:

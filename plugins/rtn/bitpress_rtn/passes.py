@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from bitpress.onnx.weightonly import WeightOnlyOptions, WeightOnlyPass
 from bitpress.options import option
 from bitpress.passes import PassContext
-from bitpress.quant.solver import BlockSolver
+from bitpress.quant.solver import BlockSolver, check_block_size
 from bitpress_rtn.solver import rtn_solver
 
 
@@ -45,8 +45,7 @@ class Bnb4Options:
     def validate(self) -> None:
         if self.precision not in ("nf4", "fp4"):
             raise ValueError("precision must be nf4 or fp4")
-        if self.block_size < 16 or self.block_size > 256 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two from 16 to 256, got {self.block_size}")
+        check_block_size(self.block_size)
 
 
 class Bnb4Pass(WeightOnlyPass):
