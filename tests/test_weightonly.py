@@ -397,3 +397,85 @@ def test_decoder_component_of_a_top_level_genai_package(genai_folder, tmp_path):
     assert (out / "genai_config.json").is_file()
     assert nodes(out / "model.onnx", "MatMulNBits")
     assert {f.name for f in result.files} >= {"model.onnx", "genai_config.json", "tokenizer.json"}
+
+
+# -- the packing fast path (rtn's stored-layout kernel) against the block solver -----------------------
+def _matmul_model(path: Path, w: np.ndarray, *, transposed: bool = False) -> Path:
+    """One MatMul reading ``w`` ([K, N]), or ``w.T`` stored [N, K] through a Transpose."""
+    k, n = w.shape
+    nodes_ = [helper.make_node("MatMul", ["A", "Wt" if transposed else "W"], ["Y"], name="mm")]
+    init = numpy_helper.from_array(np.ascontiguousarray(w.T) if transposed else w, "W")
+    if transposed:
+        nodes_.insert(0, helper.make_node("Transpose", ["W"], ["Wt"], name="t", perm=[1, 0]))
+    graph = helper.make_graph(
+        nodes_, "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, n])], initializer=[init],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+    return path
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["KxN", "NxK-through-Transpose"])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_packing_kernel_gives_the_block_solvers_bytes_and_a_close_error(tmp_path, monkeypatch, symmetric,
+                                                                         transposed):
+    from bitpress.models.onnx_model import OnnxModel
+    from bitpress_rtn.solver import rtn_packing_kernel, rtn_solver
+
+    monkeypatch.setattr(weightonly, "CHUNK_ELEMENTS", 1 << 16)  # several chunks per weight
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((200, 3000)).astype(np.float32)  # K = 200: a padded last block
+    w[:, :40] *= 5  # uneven rows: a sampled error must still be close to the exact one
+    model = OnnxModel.load(_matmul_model(tmp_path / "m.onnx", w, transposed=transposed))
+    (group,) = weightonly.plan(model, weightonly.WeightOnlyOptions(bits=4, block_size=32,
+                                                                   is_symmetric=symmetric)).groups
+    fast = weightonly.solve_group(model, group, rtn_solver, False, None, rtn_packing_kernel)
+    exact = weightonly.solve_group(model, group, rtn_solver, False, None, None)
+    np.testing.assert_array_equal(fast.packed, exact.packed)
+    np.testing.assert_array_equal(fast.blocks.scales, exact.blocks.scales)
+    if not symmetric:
+        np.testing.assert_array_equal(fast.blocks.zero_points, exact.blocks.zero_points)
+    # the kernel path measures every 2nd row of this 3000-row weight: within 3% of the exact error
+    assert abs(fast.error - exact.error) < 0.03 * exact.error
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_packing_kernel_and_block_solver_write_the_same_model(tmp_path, monkeypatch, dtype):
+    from bitpress_rtn.passes import RtnPass
+
+    src = build_decoder(tmp_path / "m.onnx", hidden=80, layers=1, vocab=320, tied=True, dtype=dtype)
+    outputs = []
+    for label in ("kernel", "solver"):
+        if label == "solver":
+            monkeypatch.setattr(RtnPass, "packing_kernel", lambda self: None)
+        out = tmp_path / f"{label}.onnx"
+        bitpress.quantize(src, out, algorithm="rtn", precision="int4", options={"block_size": 16})
+        outputs.append({t.name: numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer})
+    assert outputs[0].keys() == outputs[1].keys()
+    assert any(name.endswith("_Q4") for name in outputs[0])
+    for name, value in outputs[0].items():
+        np.testing.assert_array_equal(value, outputs[1][name], err_msg=name)
+
+
+def test_a_packing_kernel_with_wrong_shapes_is_a_clear_error(tmp_path):
+    from bitpress.errors import QuantizationError
+    from bitpress.models.onnx_model import OnnxModel
+    from bitpress.quant.solver import PackedBlocks
+    from bitpress_rtn.solver import rtn_solver
+
+    def broken(w_kn, spec):
+        return PackedBlocks(np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.float32), None)
+
+    model = OnnxModel.load(_matmul_model(tmp_path / "m.onnx", np.ones((64, 8), np.float32)))
+    (group,) = weightonly.plan(model, weightonly.WeightOnlyOptions(bits=4, block_size=32,
+                                                                   is_symmetric=True)).groups
+    with pytest.raises(QuantizationError, match="packing kernel returned unexpected shapes"):
+        weightonly.solve_group(model, group, rtn_solver, False, None, broken)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1000), (64, 64), (130, 1024), (1024, 7)])
+def test_transposed(shape):
+    a = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    t = weightonly.transposed(a)
+    assert t.flags.c_contiguous
+    np.testing.assert_array_equal(t, a.T)

@@ -7,9 +7,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
-from bitpress.onnx.layout import MatMulNBitsTensors, dequantize_matmul_nbits, unpack_along_last
+from bitpress.onnx.layout import MatMulNBitsTensors, dequantize_matmul_nbits, pack_along_last, unpack_along_last
 from bitpress.quant.solver import BlockSpec, dequantize
-from bitpress_rtn.solver import rtn_solver
+from bitpress_rtn.solver import rtn_packing_kernel, rtn_solver
 
 
 def _weight(k: int, n: int) -> np.ndarray:
@@ -134,3 +134,47 @@ def test_does_not_modify_input_and_validates():
     np.testing.assert_array_equal(w, before)
     with pytest.raises(ValueError):
         rtn_solver(w, BlockSpec(bits=4, block_size=32, symmetric=False))
+
+
+# -- the packing kernel: the same answer in the stored [K, N] layout ---------------------------------
+def _kernel_vs_solver(w_kn: np.ndarray, spec: BlockSpec) -> None:
+    k, n = w_kn.shape
+    fast = rtn_packing_kernel(w_kn, spec)
+    ref = rtn_solver(np.ascontiguousarray(w_kn.T).reshape(n, k // spec.block_size, spec.block_size), spec)
+    np.testing.assert_array_equal(fast.packed, pack_along_last(ref.q, spec.bits))
+    np.testing.assert_array_equal(fast.scales, ref.scales)
+    if ref.zero_points is None:
+        assert fast.zero_points is None
+    else:
+        assert fast.zero_points.dtype == ref.zero_points.dtype
+        np.testing.assert_array_equal(fast.zero_points, ref.zero_points)
+
+
+@pytest.mark.parametrize(("symmetric", "float_zp"), [(True, False), (False, False), (False, True)],
+                         ids=["sym", "asym", "asym-float-zp"])
+@pytest.mark.parametrize("block_size", [16, 32, 128, 256])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packing_kernel_equals_block_solver(bits, block_size, symmetric, float_zp):
+    w = _weight(3 * block_size, 37)  # ties, all-zero, one-signed and outlier columns
+    w[:, 6] = np.arange(3 * block_size) % 7 / np.float32(2) - 1.5  # exact halves after scaling
+    w[:, 7] *= np.float32(1e-30)  # subnormal-sized scales
+    _kernel_vs_solver(w, BlockSpec(bits, block_size, symmetric, float_zp))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_packing_kernel_equals_ort_kernel(symmetric):
+    w = _weight(256, 96)
+    fast = rtn_packing_kernel(w, BlockSpec(4, 32, symmetric))
+    ort_t = _ort_kernel(w, 4, 32, symmetric)
+    np.testing.assert_array_equal(fast.packed, ort_t.b)
+    np.testing.assert_array_equal(fast.scales, ort_t.scales.reshape(96, -1))
+
+
+def test_packing_kernel_declines_and_validates():
+    w = np.ones((64, 8), np.float32)
+    assert rtn_packing_kernel(w, BlockSpec(2, 32, True)) is None  # no ONNX layout for 2 bits
+    with pytest.raises(ValueError, match="whole blocks"):
+        rtn_packing_kernel(w[:40], BlockSpec(4, 32, True))
+    before = w.copy()
+    rtn_packing_kernel(w, BlockSpec(4, 32, False))
+    np.testing.assert_array_equal(w, before)

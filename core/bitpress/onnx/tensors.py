@@ -172,11 +172,13 @@ class ExternalResolver:
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot read external data of {tensor.name!r} from {path}: {exc}") from None
 
-    def row_reader(self, tensor: onnx.TensorProto) -> Callable[[int, int], np.ndarray]:
-        """``read(r0, r1)`` -> rows ``r0:r1`` (first axis) of a tensor.
+    def row_reader(self, tensor: onnx.TensorProto) -> Callable[..., np.ndarray]:
+        """``read(r0, r1, out=None)`` -> rows ``r0:r1`` (first axis) of a tensor.
 
-        External data is read with ``pread`` into a fresh array (no memory map stays
-        resident); inline data is a read-only view of the bytes already in memory.
+        External data is read with ``pread`` into ``out`` when given (C-contiguous, the tensor's
+        dtype and the rows' shape: a buffer reused across reads costs no page faults) or else a
+        fresh array (no memory map stays resident); inline data is a read-only view of the bytes
+        already in memory and ``out`` is not used.
         """
         dtype = np_dtype(tensor)
         shape = tuple(int(d) for d in tensor.dims)
@@ -185,8 +187,13 @@ class ExternalResolver:
             path, ref = self.path(tensor)
             row_bytes = row_elems * dtype.itemsize
 
-            def read(r0: int, r1: int) -> np.ndarray:
-                out = np.empty((r1 - r0, *shape[1:]), dtype)
+            def read(r0: int, r1: int, out: np.ndarray | None = None) -> np.ndarray:
+                if out is None:
+                    out = np.empty((r1 - r0, *shape[1:]), dtype)
+                elif out.dtype != dtype or out.shape != (r1 - r0, *shape[1:]) or not out.flags.c_contiguous:
+                    raise ValueError(
+                        f"read buffer {out.dtype}{out.shape} does not fit rows {r0}:{r1} of {tensor.name!r}"
+                    )
                 view = memoryview(out.reshape(-1).view(np.uint8))
                 fd = os.open(path, os.O_RDONLY)
                 try:
@@ -205,7 +212,7 @@ class ExternalResolver:
             full = np.frombuffer(tensor.raw_data, dtype=dtype).reshape(shape)
         else:
             full = self.read(tensor)
-        return lambda r0, r1: full[r0:r1]
+        return lambda r0, r1, out=None: full[r0:r1]
 
     def read_bytes(self, tensor: onnx.TensorProto) -> bytes:
         path, ref = self.path(tensor)

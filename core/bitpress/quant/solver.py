@@ -59,6 +59,35 @@ class BlockSolver(Protocol):
     ) -> QuantizedBlocks: ...
 
 
+@dataclass
+class PackedBlocks:
+    """A packing kernel's answer for ``rows x n_blocks`` blocks: integers already packed.
+
+    packed: uint8 ``[rows, n_blocks, block_size * bits / 8]``, values packed along the last axis,
+        lowest index in the lowest bits (MatMulNBits' B layout).
+    scales: float32 ``[rows, n_blocks]``.
+    zero_points: ``None`` when symmetric, else uint8 ``[rows, n_blocks]`` (one value per byte).
+    """
+
+    packed: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+
+
+class PackingKernel(Protocol):
+    """Optional fast path of a solver: quantize and pack a weight in its stored ``[K, N]`` form.
+
+    ``w_kn`` is float32 ``[n_blocks * block_size, N]``, C-contiguous, K already padded with zeros
+    to whole blocks; blocks run along K for each of the N output channels (the answer's rows).
+    It must produce exactly what the block solver would (same integers, scales, zero points),
+    only faster; it returns ``None`` to decline (the host then calls the block solver).
+    A pass offers one through :meth:`bitpress.onnx.weightonly.WeightOnlyPass.packing_kernel`;
+    it is not used when activation statistics (``importance``) are given.
+    """
+
+    def __call__(self, w_kn: np.ndarray, spec: BlockSpec) -> PackedBlocks | None: ...
+
+
 def check_block_size(block_size: int, name: str = "block_size") -> None:
     """The block sizes every bitpress writer and kernel takes: powers of two from 16 to 256."""
     if block_size < 16 or block_size > 256 or block_size & (block_size - 1):

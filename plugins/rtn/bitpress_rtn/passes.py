@@ -8,8 +8,8 @@ from typing import Any, ClassVar
 from bitpress.onnx.weightonly import WeightOnlyOptions, WeightOnlyPass
 from bitpress.options import option
 from bitpress.passes import PassContext
-from bitpress.quant.solver import BlockSolver, check_block_size
-from bitpress_rtn.solver import rtn_solver
+from bitpress.quant.solver import BlockSolver, PackingKernel, check_block_size
+from bitpress_rtn.solver import rtn_packing_kernel, rtn_solver
 
 
 @dataclass
@@ -33,6 +33,9 @@ class RtnPass(WeightOnlyPass):
 
     def solver(self) -> BlockSolver:
         return rtn_solver
+
+    def packing_kernel(self) -> PackingKernel | None:
+        return rtn_packing_kernel
 
 
 @dataclass
