@@ -187,9 +187,7 @@ def test_seed_outputs_load_from_anywhere(
         corr = np.corrcoef(got[0].ravel(), expected[0].ravel())[0, 1]
         assert corr > 0.9, corr
 
-    if mode == "default":
-        assert written == ["quantized.onnx"], "a small model is one file by default"
-    elif mode == "external":
+    if mode in ("default", "external"):  # the seed keeps its weights in external data: so does the output
         assert written == ["quantized.onnx", "quantized.onnx.data"]
         assert _external_locations(out) == {"quantized.onnx.data"}
         assert is_external(_constant_tensor(onnx.load(str(out), load_external_data=False)))
@@ -309,6 +307,17 @@ def test_external_data_layout(tmp_path: Path, tiny_decoder: Path) -> None:
     assert model.proto.SerializeToString() == before
     save_onnx(model, tmp_path / "again.onnx")
     assert not (tmp_path / "again.onnx.data").exists()
+
+
+def test_default_storage_follows_the_input(tmp_path: Path, tiny_decoder: Path, tiny_decoder_external: Path) -> None:
+    """By default the output keeps the input's storage: one file stays one file, external data stays external."""
+    single = save_onnx(OnnxModel.load(tiny_decoder), tmp_path / "a" / "m.onnx")
+    assert [f.name for f in single] == ["m.onnx"]
+    external = OnnxModel.load(tiny_decoder_external)
+    assert external.external_source and not OnnxModel.load(tiny_decoder).external_source
+    assert [f.name for f in save_onnx(external, tmp_path / "b" / "m.onnx")] == ["m.onnx", "m.onnx.data"]
+    asked = save_onnx(external, tmp_path / "c" / "m.onnx", SaveOptions(external_data=False))
+    assert [f.name for f in asked] == ["m.onnx"]
 
 
 def test_sharded_files_each_respect_the_limit(tmp_path: Path, tiny_decoder_external: Path) -> None:

@@ -133,7 +133,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     ext = p.add_mutually_exclusive_group()
     ext.add_argument("--external-data", dest="external_data", action="store_true", default=None,
-                     help="always write weights to <model>.onnx.data")
+                     help="always write weights to <model>.onnx.data (default: as the input, or when over 2 GB)")
     ext.add_argument("--single-file", dest="external_data", action="store_false",
                      help="always write one .onnx file (models under 2 GB)")
     p.add_argument("--max-shard-size", type=_size, help="split external data, e.g. 2GB, 500MB")

@@ -318,6 +318,7 @@ def run_in_env(pass_: EnvPass, model: ModelHandle, context: PassContext) -> Mode
         for key in ("input", "cwd", "tmp", "work"):
             shutil.rmtree(folders[key], ignore_errors=True)
     out = OnnxModel.load(output)
+    out.external_source = getattr(model, "external_source", False)  # the files crossed as external data
     out.bitpress_origin = origin  # type: ignore[attr-defined]  # where the run's data (tokenizer) lives
     for rep in result.get("reports") or []:
         context.extras.setdefault("reports", []).append((rep.get("pass", name), origin, RemoteReport(rep["summary"])))

@@ -15,7 +15,7 @@ from onnx import numpy_helper
 from bitpress.errors import ModelLoadError
 from bitpress.models.base import ModelHandle
 from bitpress.onnx.lazy_load import INLINE_PREFIX, load_lazy
-from bitpress.onnx.tensors import ExternalResolver, is_external, iter_tensors
+from bitpress.onnx.tensors import ExternalResolver, external_ref, is_external, iter_tensors
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,8 @@ class OnnxModel(ModelHandle):
         self.resolver = ExternalResolver(base_dir if base_dir is not None else self.source.parent)
         self._spill: tuple[Path, object] | None = None
         self.modified = False
+        #: the source keeps weights in external data files (saving mirrors that by default)
+        self.external_source = False
 
     # -- loading -----------------------------------------------------------------------------
     @classmethod
@@ -67,6 +69,8 @@ class OnnxModel(ModelHandle):
         for tensor in iter_tensors(proto):
             if is_external(tensor):
                 model.resolver.validate(tensor)
+                if not external_ref(tensor).location.startswith(INLINE_PREFIX):
+                    model.external_source = True
         return model
 
     # -- tensors -------------------------------------------------------------------------------

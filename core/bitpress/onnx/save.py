@@ -33,7 +33,7 @@ _COPY_CHUNK = 16 << 20
 
 @dataclass
 class SaveOptions:
-    external_data: bool | None = None  # None: only when the model needs it (>= 2 GB)
+    external_data: bool | None = None  # None: as the input (or when the model needs it, >= 2 GB)
     max_shard_size: int | None = None  # bytes per data file; None: one file
     check: bool = True  # checker + ONNX Runtime session after saving
 
@@ -49,7 +49,9 @@ def save_onnx(model: OnnxModel, dest: Path, options: SaveOptions | None = None) 
     total = sum(tensor_nbytes(t) for t in tensors)
     external = options.external_data
     if external is None:
-        external = total >= SINGLE_FILE_LIMIT or options.max_shard_size is not None
+        # as the input: ONNX Runtime maps external data instead of parsing it into memory, so a
+        # large model's output stays cheap to load (and the layout the user shipped is kept)
+        external = total >= SINGLE_FILE_LIMIT or options.max_shard_size is not None or model.external_source
     if not external and total >= SINGLE_FILE_LIMIT:
         raise OutputError(
             f"the model holds {total / 2**30:.2f} GiB of tensors; a single .onnx file is limited "
