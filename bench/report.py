@@ -128,7 +128,27 @@ def _targets(result: dict[str, Any]) -> str:
     return markdown_table(["model", "variant", "target", "measured", ""], rows, "lllrl")
 
 
+def _kernels(k: dict[str, Any]) -> list[str]:
+    rows = [[r["what"], "sym" if r["symmetric"] else "asym", r["kernel"], f"{r['wall_ms_per_m']:.2f}",
+             f"{r['cpu_ms_per_m']:.2f}", "yes" if r["same_bytes"] else "**no**"] for r in k["rows"]]
+    src = k.get("source") or {}
+    return [
+        "## RTN int4 kernels alone",
+        "",
+        "`bench/bench_kernels.py` (`make -C bench kernels`): the same float32 `[K, N]` bands of about a million "
+        f"weights quantized by each kernel in one process, best of {k['repeats']} runs, milliseconds per million "
+        f"weights ({k['cores']} cores; ONNX Runtime's kernel runs its own thread pool, the numpy ones one thread). "
+        f"Code measured: commit `{src.get('commit', '?')}`"
+        + (f" plus uncommitted changes (digest `{src['uncommitted']}`)" if src.get("uncommitted") else "") + ".",
+        "",
+        markdown_table(["band", "", "kernel", "wall ms / M", "CPU ms / M", "same bytes"], rows, "lllrrl"),
+        "",
+    ]
+
+
 def render(results: list[dict[str, Any]]) -> str:
+    kernels = [r for r in results if r.get("kind") == "kernels"]
+    results = [r for r in results if r.get("kind") != "kernels"]
     first = results[0]
     out = [
         "# Benchmarks",
@@ -198,6 +218,8 @@ def render(results: list[dict[str, Any]]) -> str:
                     "time = best wall time, memory = peak RSS).", "", _ratios(result), ""]
         if result.get("targets"):
             out += ["### Targets", "", _targets(result), ""]
+    for k in kernels:
+        out += _kernels(k)
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -551,15 +551,17 @@ def solve_group(
 def _run_kernel(kernel: PackingKernel, c: Chunk, spec: BlockSpec, name: str) -> PackedBlocks | None:
     # A sum is finite only when every element is (NaN and inf propagate): one cheap pass. The
     # kernels' min/max would not reliably turn NaN into a non-finite scale.
-    if not np.isfinite(np.add.reduce(c.data, axis=None)) and not np.isfinite(c.data).all():
+    with np.errstate(over="ignore", invalid="ignore"):  # a huge finite sum falls back to the exact test
+        total = np.add.reduce(c.data, axis=None)
+    if not np.isfinite(total) and not np.isfinite(c.data).all():
         raise QuantizationError(f"weight {name} holds NaN or infinite values; cannot quantize it")
     out = kernel(c.kn(), spec)
     if out is None:
         return None
     n_rows = c.rows.stop - c.rows.start
     shape = (n_rows, c.blocks.stop - c.blocks.start)
-    if out.packed.shape != (*shape, spec.block_size * spec.bits // 8) or out.scales.shape != shape or (
-        (out.zero_points is None) != spec.symmetric
+    if out.packed.dtype != np.uint8 or out.packed.shape != (*shape, spec.block_size * spec.bits // 8) or (
+        out.scales.shape != shape or (out.zero_points is None) != spec.symmetric
     ):
         raise QuantizationError(f"the packing kernel returned unexpected shapes for {name}")
     return out
