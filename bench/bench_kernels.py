@@ -30,7 +30,7 @@ from benchkit import RESULTS, machine_info, markdown_table, source_state
 SHAPES = [  # (K band, N, block size): bands of the 447 MB model's weights at ~1M elements
     (352, 2912, 32, "gate/up band, block 32"),
     (256, 4096, 128, "4096-wide band, block 128"),
-    (1024, 1024, 32, "embedding rows (transposed first), block 32"),
+    (1024, 1024, 32, "[1024, 1024] band, block 32"),
 ]
 
 
