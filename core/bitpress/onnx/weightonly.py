@@ -46,6 +46,7 @@ from bitpress.quant.solver import (
     PackingKernel,
     QuantizedBlocks,
     check_block_size,
+    dequantize,
 )
 from bitpress.selection import NameMatcher
 
@@ -460,7 +461,9 @@ class _ErrorSum:
     den: float = 0.0
 
     def add(self, deq: np.ndarray, w: np.ndarray, k_valid: int) -> None:
-        """Accumulate ``|deq - w|^2`` and ``|w|^2`` over ``[rows, K_padded]``; ``deq`` is overwritten."""
+        """Accumulate ``|deq - w|^2`` and ``|w|^2``; ``deq`` (``[rows, blocks, block]``, overwritten)
+        and ``w`` (``[rows, K_padded]``) are the same rows."""
+        deq = deq.reshape(w.shape)
         deq -= w
         if k_valid != w.shape[1]:  # the zero padding of the last block is not part of the weight
             deq, w = deq[:, :k_valid], w[:, :k_valid]
@@ -471,14 +474,6 @@ class _ErrorSum:
     @property
     def relative(self) -> float:
         return (self.num / self.den) ** 0.5 if self.den else 0.0
-
-
-def _dequantized(q: np.ndarray, scales: np.ndarray, zero_points: np.ndarray) -> np.ndarray:
-    """float32 ``[rows, blocks * block_size]`` from ``q [rows, blocks, block_size]``."""
-    deq = q.astype(np.float32)
-    deq -= zero_points[..., None]
-    deq *= scales[..., None]
-    return deq.reshape(deq.shape[0], -1)
 
 
 def solve_group(
@@ -508,7 +503,6 @@ def solve_group(
     imp = None if importance is None else np.pad(importance.astype(np.float32), (0, n_blocks * bs - k))
     if imp is not None:
         kernel = None  # a packing kernel knows no activation statistics
-    implied_zp = np.float32(2 ** (group.bits - 1))
     step = max(1, min(ERROR_SAMPLE_STEP, rows // ERROR_SAMPLE_MIN_ROWS))
     for c in iter_chunks(model, group):
         fast = _run_kernel(kernel, c, spec, group.weight) if kernel is not None else None
@@ -518,11 +512,12 @@ def solve_group(
             if zps is not None:
                 zps[c.rows, c.blocks] = fast.zero_points
             # the error on every step-th row (all rows of a small weight)
-            q = layout.unpack_along_last(fast.packed[::step], spec.bits, bs)
-            zp = implied_zp if fast.zero_points is None else fast.zero_points[::step].astype(np.float32)
-            zp = np.broadcast_to(zp, fast.scales[::step].shape)
-            err.add(_dequantized(q, fast.scales[::step], zp), c.sample_rows(step), c.k_valid)
-            del fast, q
+            sample = QuantizedBlocks(
+                layout.unpack_along_last(fast.packed[::step], spec.bits, bs), fast.scales[::step],
+                None if fast.zero_points is None else fast.zero_points[::step],
+            )
+            err.add(dequantize(sample, spec.bits), c.sample_rows(step), c.k_valid)
+            del fast, sample
             continue
         w3 = c.w
         imp_c = None if imp is None else imp[c.blocks.start * bs : c.blocks.stop * bs]
@@ -541,8 +536,7 @@ def solve_group(
                 raise QuantizationError(f"solver returned no zero points for asymmetric {group.weight}")
             zps[c.rows, c.blocks] = out.zero_points
         nrows = w3.shape[0]
-        err.add(_dequantized(out.q, out.scales, out.implied_zero_points(spec.bits)), w3.reshape(nrows, -1),
-                c.k_valid)
+        err.add(dequantize(out, spec.bits), w3.reshape(nrows, -1), c.k_valid)
         del out, w3
     blocks = QuantizedBlocks(np.empty((rows, n_blocks, 0), np.uint8), scales, zps)
     return Result(group, blocks, packed, k, dtype, err.relative)

@@ -96,5 +96,7 @@ def check_block_size(block_size: int, name: str = "block_size") -> None:
 
 def dequantize(blocks: QuantizedBlocks, bits: int) -> np.ndarray:
     """float32 ``[rows, n_blocks, block_size]`` reconstruction of ``blocks``."""
-    zp = blocks.implied_zero_points(bits)
-    return (blocks.q.astype(np.float32) - zp[..., None]) * blocks.scales.astype(np.float32)[..., None]
+    out = blocks.q.astype(np.float32)  # the one full-size temporary: the rest is in place
+    out -= blocks.implied_zero_points(bits)[..., None]
+    out *= blocks.scales.astype(np.float32)[..., None]
+    return out
