@@ -66,7 +66,8 @@ class PackedBlocks:
     packed: uint8 ``[rows, n_blocks, block_size * bits / 8]``, values packed along the last axis,
         lowest index in the lowest bits (MatMulNBits' B layout).
     scales: float32 ``[rows, n_blocks]``.
-    zero_points: ``None`` when symmetric, else uint8 ``[rows, n_blocks]`` (one value per byte).
+    zero_points: ``None`` when symmetric, else uint8 ``[rows, n_blocks]`` (one value per byte),
+        or float32 when ``spec.float_zero_points`` is set.
     """
 
     packed: np.ndarray
