@@ -115,12 +115,8 @@ def run_evaluation(
                 for feed in feeds:
                     ref = _run(r_sess, names, feed, "reference")
                     qnt = _run(q_sess, names, feed, "QUANTIZED")
-                    if first:
-                        for acc, arr in zip(accs, ref, strict=True):
-                            acc.is_logits = looks_like_logits(acc.name, arr.shape, vocab)
-                        first = False
-                    for acc, r, q in zip(accs, ref, qnt, strict=True):
-                        acc.add(r, q)
+                    _accumulate(accs, ref, qnt, vocab, first)
+                    first = False
                     advance(1)
             if ppl_windows is not None:
                 result.perplexity = _text_pass(
@@ -170,18 +166,25 @@ def _text_pass(
             ref = _run(r_sess, names, feed, "reference")
             qnt = _run(q_sess, names, feed, "QUANTIZED")
             if accs is not None:
-                if first:
-                    for acc, arr in zip(accs, ref, strict=True):
-                        acc.is_logits = looks_like_logits(acc.name, arr.shape, vocab)
-                    first = False
-                for acc, r, q in zip(accs, ref, qnt, strict=True):
-                    acc.add(r, q)
+                _accumulate(accs, ref, qnt, vocab, first)
+                first = False
             a, n = next_token_nll(ref[logits_idx], ids)
             b, _ = next_token_nll(qnt[logits_idx], ids)
             nll_r, nll_q, count = nll_r + a, nll_q + b, count + n
             advance(1)
     return PerplexityResult(text, len(windows), int(windows.shape[1]), count,
                             _exp(nll_r / count), _exp(nll_q / count))
+
+
+def _accumulate(
+    accs: list[OutputAccumulator], ref: list[np.ndarray], qnt: list[np.ndarray], vocab: int | None, first: bool
+) -> None:
+    """Add one batch of both models' outputs; the first batch tells which output holds logits."""
+    if first:
+        for acc, arr in zip(accs, ref, strict=True):
+            acc.is_logits = looks_like_logits(acc.name, arr.shape, vocab)
+    for acc, r, q in zip(accs, ref, qnt, strict=True):
+        acc.add(r, q)
 
 
 def _exp(x: float) -> float:
