@@ -10,6 +10,15 @@ Error figures are ``||y_q - y|| / ||y||`` of the first output against the float 
 of two random batches (2 x 16 tokens), on the conftest models (``tiny_encoder``: hidden 64,
 2 layers; ``tiny_decoder``: hidden 64, 2 layers, vocab 256), measured with amd-quark 0.13,
 onnxruntime 1.32, torch 2.13 CPU; the bounds leave about 1.5x headroom.
+
+Int8 figures depend on the CPU class ONNX Runtime runs on: its u8 x s8 kernels saturate int16
+pair sums (VPMADDUBSW) on AVX2 / AVX-512 CPUs without VNNI. Each int8 figure is given for both
+classes: "VNNI" measured natively on a CPU with avx512_vnni, "AVX2" by running the same saved
+models with ONNX Runtime under ``qemu-x86_64 -cpu Haswell`` (QEMU 7.2 TCG: AVX2, no AVX-512 or
+VNNI; it reproduces the .0945 / .0242 failures seen on a real AVX2 machine). The default
+``reduce_range=auto`` quantizes with 7-bit weights on AVX2 CPUs, so a default-option test's AVX2
+figure is that of ``reduce_range=true``. The bounds hold on both classes. Under emulation,
+``/proc/cpuinfo`` is the host's: set ``BITPRESS_CPU_FLAGS`` to the emulated CPU's flags.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ if importlib.util.find_spec("quark") is None or importlib.util.find_spec("torch"
 
 from bitpress import synthetic
 from bitpress.api import quantize
+from bitpress.cpu import FLAGS_VAR, int8_saturates
 from bitpress.errors import QuantizationError, UsageError
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.save import save_onnx
@@ -99,12 +109,29 @@ def _activation_scales(path: Path) -> dict[str, float]:
             if n.op_type == "QuantizeLinear" and n.input[1] in inits}
 
 
+def _int8_weights(path: Path) -> list[np.ndarray]:
+    """The int8/uint8 weights (initializers of 1000+ values) of a quantized model."""
+    return [numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer
+            if t.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8) and math.prod(t.dims) >= 1000]
+
+
+def _max_abs_weight(path: Path) -> int:
+    """The largest |q| of the int8 weights: 127 with 8-bit weights, 64 with reduce_range."""
+    weights = [w for w in _int8_weights(path) if w.dtype == np.int8]
+    assert weights
+    return max(int(np.abs(w.astype(np.int16)).max()) for w in weights)
+
+
 # -- static int8 ------------------------------------------------------------------------------------
-# measured (encoder / decoder): minmax .033/.028, percentile .033/.028, entropy .033/fails,
-# distribution .031/fails, layerwise_percentile .032/.028, minmse .032/.044, nonoverflow .083/.058
+# measured (encoder / decoder), VNNI with reduce_range false (what auto picks there):
+# minmax .033/.028, percentile .033/.028, entropy .033/fails, distribution .031/fails,
+# layerwise_percentile .032/.028, minmse .032/.044, nonoverflow .083/.058;
+# AVX2 with reduce_range true (what auto picks there): minmax .037/.036, percentile .037/.036,
+# entropy .037, distribution .036, layerwise_percentile .037/.035, minmse .032/.044,
+# nonoverflow .032/.048. (reduce_range false on AVX2 measures as on VNNI here, per tensor.)
 STATIC_BOUNDS = {
-    "minmax": (0.05, 0.045), "percentile": (0.05, 0.045), "entropy": (0.05, None),
-    "distribution": (0.05, None), "layerwise_percentile": (0.05, 0.045),
+    "minmax": (0.055, 0.055), "percentile": (0.055, 0.055), "entropy": (0.055, None),
+    "distribution": (0.055, None), "layerwise_percentile": (0.055, 0.055),
     "minmse": (0.05, 0.07), "nonoverflow": (0.125, 0.09),
 }
 
@@ -149,7 +176,7 @@ def test_calibration_from_npz_file(tiny_encoder: Path, tmp_path: Path) -> None:
     np.savez(npz, **{k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]})
     out = _run(tiny_encoder, tmp_path, "quark_static", {"source": str(npz), "samples": 4})
     assert _ops(out)["QuantizeLinear"] > 0
-    assert _rel_error(tiny_encoder, out) < 0.05
+    assert _rel_error(tiny_encoder, out) < 0.055  # as minmax on the encoder: VNNI .033, AVX2 (auto: 7 bits) .037
 
 
 def test_entropy_fallback_is_refused(tiny_decoder: Path, tmp_path: Path) -> None:
@@ -161,7 +188,8 @@ def test_entropy_fallback_is_refused(tiny_decoder: Path, tmp_path: Path) -> None
 
 
 def test_static_qoperator(tiny_encoder: Path, tiny_decoder: Path, tmp_path: Path) -> None:
-    # measured: encoder .030 (QLinearMatMul x12, QGemm x4), decoder .029 (QLinearMatMul x19)
+    # measured: encoder .030 (QLinearMatMul x12, QGemm x4), decoder .029 (QLinearMatMul x19) on VNNI;
+    # AVX2 (auto: reduce_range true) .030 / .032
     enc = _run(tiny_encoder, tmp_path, "quark_static", DATA, name="enc", quant_format="qoperator")
     ops = _ops(enc)
     assert ops["QLinearMatMul"] == 12 and ops["QGemm"] == 4 and ops["MatMul"] == 0 and ops["Gemm"] == 0
@@ -175,7 +203,12 @@ def test_static_qoperator(tiny_encoder: Path, tiny_decoder: Path, tmp_path: Path
 
 
 def test_per_channel_weights(tiny_decoder: Path, tmp_path: Path) -> None:
-    # measured: QDQ .028 per channel, QOperator .027
+    # measured, VNNI / AVX2: QDQ per channel, reduce_range=true .033 / .033; reduce_range=false .028 / .0945
+    # (int16 saturation: 8-bit per-channel weights put many pairs of products near 2 x 255 x 127);
+    # QOperator per channel (auto) .027 / .029. CPU-aware: where ONNX Runtime's kernels saturate
+    # (cpu.int8_saturates: AVX2 / AVX-512 without VNNI), reduce_range=false gets the measured
+    # AVX2 figure's bound; one bound for both classes (.14) would let a quantizer three times
+    # worse than this one pass on VNNI CPUs, so VNNI CPUs keep the tight bound.
     def weight_scales(path: Path) -> list[np.ndarray]:
         """Scales of the dequantized MatMul weights (the embedding table's Gather stays per tensor)."""
         model = onnx.load(str(path))
@@ -185,11 +218,17 @@ def test_per_channel_weights(tiny_decoder: Path, tmp_path: Path) -> None:
                 if n.op_type == "DequantizeLinear" and n.input[0] in inits and n.output[0] in into_matmul]
 
     per_tensor = weight_scales(_run(tiny_decoder, tmp_path, "quark_static", DATA, name="pt"))
-    out = _run(tiny_decoder, tmp_path, "quark_static", DATA, name="pc", per_channel=True)
-    per_channel = weight_scales(out)
     assert per_tensor and all(s.size == 1 for s in per_tensor)
-    assert per_channel and all(s.ndim == 1 and s.size > 1 for s in per_channel)
-    assert _rel_error(tiny_decoder, out) < 0.045
+    errors = {}
+    for reduce_range in (False, True):
+        out = _run(tiny_decoder, tmp_path, "quark_static", DATA, name=f"pc{int(reduce_range)}", per_channel=True,
+                   reduce_range=reduce_range)
+        per_channel = weight_scales(out)
+        assert per_channel and all(s.ndim == 1 and s.size > 1 for s in per_channel)
+        assert _max_abs_weight(out) == (64 if reduce_range else 127)
+        errors[reduce_range] = _rel_error(tiny_decoder, out)
+    assert errors[True] < 0.045, errors
+    assert errors[False] < (0.14 if int8_saturates() else 0.045), errors
     qop = _run(tiny_decoder, tmp_path, "quark_static", DATA, name="qop", quant_format="qoperator", per_channel=True)
     assert _ops(qop)["QLinearMatMul"] == 19 and _rel_error(tiny_decoder, qop) < 0.045
 
@@ -208,7 +247,7 @@ def test_activation_and_weight_types(tiny_decoder: Path, tmp_path: Path) -> None
         {np.dtype(np.int8)}, {np.dtype(np.int8)})
     out = _run(tiny_decoder, tmp_path, "quark_static", DATA, name="u8", activation_type="uint8", weight_type="uint8")
     assert zero_point_types(out) == ({np.dtype(np.uint8)}, {np.dtype(np.uint8)})
-    assert _rel_error(tiny_decoder, out) < 0.045  # measured .029
+    assert _rel_error(tiny_decoder, out) < 0.045  # measured .029 VNNI, .034 AVX2 (auto: 7-bit weights)
 
 
 def test_static_include_exclude(tiny_encoder: Path, tiny_decoder: Path, tmp_path: Path) -> None:
@@ -244,7 +283,8 @@ def test_nothing_to_quantize_is_an_error(tiny_decoder: Path, tmp_path: Path) -> 
 
 # -- dynamic int8 -----------------------------------------------------------------------------------
 def test_dynamic(tiny_encoder: Path, tiny_decoder: Path, tmp_path: Path) -> None:
-    # measured: encoder .0090, decoder .0122 (int8 or uint8 weights, per tensor or per channel)
+    # measured (int8 / uint8 / per-channel weights), VNNI: encoder .0090, decoder .0122 / .0122 / .0121;
+    # AVX2 (auto: reduce_range true): encoder .0090, decoder .0126 / .0124 / .0123
     for which, src, matmuls in (("enc", tiny_encoder, 12), ("dec", tiny_decoder, 14)):
         for i, opts in enumerate(({}, {"weight_type": "uint8"}, {"per_channel": True})):
             out = _run(src, tmp_path, "quark_dynamic", name=f"{which}{i}", **opts)
@@ -253,6 +293,61 @@ def test_dynamic(tiny_encoder: Path, tiny_decoder: Path, tmp_path: Path) -> None
             assert ops["QuantizeLinear"] == 0, "dynamic quantization needs no calibrated activation ranges"
             _assert_plain_onnx(out)
             assert 1e-3 < _rel_error(src, out) < 0.02, (which, opts)
+
+
+def test_dynamic_reduce_range(tiny_decoder: Path, tmp_path: Path) -> None:
+    # measured on the decoder, VNNI / AVX2: per channel, reduce_range=true .0123 / .0123, false .0121 / .0242
+    # (int16 saturation); per tensor, true .0126 / .0126, false .0122 / .0129. CPU-aware as
+    # test_per_channel_weights: the saturating class gets the bound of its measured figure.
+    saturates = int8_saturates()
+    for opts in ({"per_channel": True}, {}):
+        errors = {}
+        for reduce_range in (False, True):
+            out = _run(tiny_decoder, tmp_path, "quark_dynamic", name=f"{len(opts)}rr{int(reduce_range)}",
+                       reduce_range=reduce_range, **opts)
+            assert _max_abs_weight(out) == (64 if reduce_range else 127)
+            errors[reduce_range] = _rel_error(tiny_decoder, out)
+        assert 1e-3 < errors[True] < 0.02, (opts, errors)
+        assert 1e-3 < errors[False] < (0.036 if saturates else 0.02), (opts, errors)
+
+
+@pytest.mark.parametrize(("flags", "expected", "feature"), [
+    ("fpu sse2 ssse3 avx avx2 fma", True, "avx2"),  # an AVX2 CPU (Haswell .. Zen 3)
+    ("sse2 avx2 avx512f avx512bw", True, "avx512bw"),  # AVX-512 without VNNI (Skylake-SP)
+    ("sse2 avx2 avx512f avx512bw avx512_vnni", False, "avx512_vnni"),
+    ("sse2 avx2 avx_vnni", False, "avx_vnni"),
+    ("fp asimd asimddp", False, "asimddp"),  # Arm with the dot product
+])
+def test_reduce_range_auto_follows_the_cpu(flags: str, expected: bool, feature: str, tiny_decoder: Path,
+                                           tmp_path: Path, monkeypatch, caplog) -> None:
+    """``auto`` decides by the CPU flags (forced here with BITPRESS_CPU_FLAGS), logs and reports why."""
+    monkeypatch.setenv(FLAGS_VAR, flags)
+    caplog.set_level(logging.INFO, logger="bitpress_quark")
+    value = "true" if expected else "false"
+    result = quantize(tiny_decoder, tmp_path / "dyn.onnx", algorithm="quark_dynamic")
+    assert _max_abs_weight(tmp_path / "dyn.onnx") == (64 if expected else 127)
+    summaries = [rep.summary() for name, _src, rep in result.reports if name == "quark_dynamic"]
+    assert any(s.startswith(f"reduce_range={value} (auto: ") and feature in s for s in summaries), summaries
+    assert any(f"quark_dynamic: reduce_range={value} (auto" in r.getMessage() for r in caplog.records)
+    if feature == "avx2":  # the static pass takes the same decision
+        result = quantize(tiny_decoder, tmp_path / "st.onnx", algorithm="quark_static", data=DATA)
+        assert _max_abs_weight(tmp_path / "st.onnx") == 64
+        assert any(rep.summary().startswith("reduce_range=true (auto: ") for _n, _s, rep in result.reports)
+
+
+def test_reduce_range_in_cli_json(run_cli, cli_logging, tiny_decoder: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(FLAGS_VAR, "sse2 avx2 fma")  # auto would say true: the explicit value wins
+    out = tmp_path / "cli.onnx"
+    code, stdout, err = run_cli("quantize", "-m", tiny_decoder, "-o", out, "--algorithm", "quark_dynamic",
+                                "--option", "reduce_range=false", "--option", "per_channel=true", "--json")
+    assert code == 0, err
+    reports = json.loads(stdout)["reports"]
+    assert {"pass": "quark_dynamic", "model": str(tiny_decoder),
+            "summary": "reduce_range=false (set explicitly)"} in reports, reports
+    assert _max_abs_weight(out) == 127
+    code, _, err = run_cli("quantize", "-m", tiny_decoder, "-o", tmp_path / "x.onnx", "--algorithm", "quark_dynamic",
+                           "--option", "reduce_range=maybe")
+    assert code == 2 and "reduce_range='maybe' is not a valid 'auto' | bool" in err, err
 
 
 def test_dynamic_include_exclude(tiny_decoder: Path, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ imported inside ``run()``, under :func:`bitpress_quark.sandbox.contained`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any, ClassVar, Literal
 
 import onnx
 
+from bitpress.cpu import ReduceRange, resolve_reduce_range
 from bitpress.errors import UsageError
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.tensors import iter_graphs
@@ -44,6 +46,13 @@ CalibrationName = Literal[
     "minmax", "percentile", "entropy", "distribution", "layerwise_percentile", "minmse", "nonoverflow"
 ]
 Int8Type = Literal["int8", "uint8"]
+REDUCE_RANGE_HELP = (
+    "7-bit weights: true avoids the int16 saturation of ONNX Runtime's int8 kernels on x86 CPUs without VNNI "
+    "(AVX2, AVX-512 without VNNI) at a small cost elsewhere; auto: true on such CPUs, false where the CPU has "
+    "avx512_vnni/avx_vnni/amx_int8 or an Arm dot product (choose for the CPU the model will run on)"
+)
+
+log = logging.getLogger(__name__)
 
 
 def _enum(module: str, enum: str, member: str) -> Any:
@@ -82,6 +91,16 @@ class _QuarkPass(Pass):
             raise UsageError(f"{self.name} takes ONNX models, got {model.describe()}")
         return model
 
+    def _reduce_range(self, value: Literal["auto"] | bool) -> ReduceRange:
+        """The ``reduce_range`` option resolved for this CPU (``auto``), logged."""
+        choice = resolve_reduce_range(value)
+        log.info("%s: %s", self.name, choice.summary())
+        return choice
+
+    def _report(self, context: PassContext, model: OnnxModel, choice: ReduceRange) -> None:
+        """Put the ``reduce_range`` decision in the run report, beside Quark's own line."""
+        context.extras.setdefault("reports", []).append((self.name, model.source, choice))
+
 
 # -- static int8 ------------------------------------------------------------------------------------
 @dataclass
@@ -96,6 +115,7 @@ class QuarkStaticOptions:
     )
     percentile: float = option(99.999, "calibration_method=percentile: the percentile of activations kept")
     per_channel: bool = option(False, "one weight scale per output channel instead of one per tensor")
+    reduce_range: Literal["auto"] | bool = option("auto", REDUCE_RANGE_HELP)
     activation_type: Int8Type = option("int8", "activations: int8 or uint8")
     weight_type: Int8Type = option("int8", "weights: int8 or uint8")
     op_types_to_quantize: list[str] = option([], "only these op types (default: every op type Quark quantizes)")
@@ -125,6 +145,7 @@ class QuarkStaticPass(_QuarkPass):
         model = self._onnx(model)
         o: QuarkStaticOptions = self.options
         feeds = calibration_feeds(model, context.data)
+        reduce_range = self._reduce_range(o.reduce_range)
 
         def make_config(quark_onnx: Any, tmp: Path, external: bool) -> Any:
             from onnxruntime.quantization.quant_utils import QuantFormat
@@ -148,6 +169,7 @@ class QuarkStaticPass(_QuarkPass):
                 nodes_to_quantize=list(o.nodes_to_quantize),
                 nodes_to_exclude=list(o.nodes_to_exclude),
                 per_channel=o.per_channel,
+                reduce_range=reduce_range.value,
                 optimize_model=o.optimize_model,
                 use_external_data_format=external,
                 execution_providers=["CPUExecutionProvider"],
@@ -160,11 +182,13 @@ class QuarkStaticPass(_QuarkPass):
         ops = ("QLinearMatMul", "QGemm", "QLinearConv", "QLinearAdd", "QLinearMul", "QLinearConcat",
                "QLinearSoftmax", "QLinearSigmoid", "QLinearAveragePool", "QLinearGlobalAveragePool",
                "MatMulInteger", "QuantizeLinear") if o.quant_format == "qoperator" else ("DequantizeLinear",)
-        return run_quark(
+        result = run_quark(
             model, context, pass_name=self.name, mode=f"static int8 ({o.quant_format}, {o.calibration_method})",
             make_config=make_config, feeds=feeds, quantized_ops=ops,
             check_messages=reject_fallback(o.calibration_method),
         )
+        self._report(context, model, reduce_range)
+        return result
 
 
 # -- dynamic int8 -------------------------------------------------------------------------------------
@@ -172,6 +196,7 @@ class QuarkStaticPass(_QuarkPass):
 class QuarkDynamicOptions:
     weight_type: Int8Type = option("int8", "weights: int8 or uint8 (activations are always uint8)")
     per_channel: bool = option(False, "one weight scale per output channel instead of one per tensor")
+    reduce_range: Literal["auto"] | bool = option("auto", REDUCE_RANGE_HELP)
     op_types_to_quantize: list[str] = option([], "only these op types (default: MatMul, Conv, Gather, ... as Quark)")
     op_types_to_exclude: list[str] = option([], "op types left in float")
     nodes_to_quantize: list[str] = option([], "only these nodes (names)")
@@ -191,6 +216,7 @@ class QuarkDynamicPass(_QuarkPass):
     def run(self, model: Any, context: PassContext) -> Any:
         model = self._onnx(model)
         o: QuarkDynamicOptions = self.options
+        reduce_range = self._reduce_range(o.reduce_range)
 
         def make_config(quark_onnx: Any, tmp: Path, external: bool) -> Any:
             from quark.onnx.quantization.config.config import Config
@@ -201,6 +227,7 @@ class QuarkDynamicPass(_QuarkPass):
                 use_dynamic_quant=True,
                 weight_type=_quant_type(o.weight_type),
                 per_channel=o.per_channel,
+                reduce_range=reduce_range.value,
                 op_types_to_quantize=_op_types(
                     model, o.op_types_to_quantize, o.op_types_to_exclude, set(IntegerOpsRegistry)
                 ),
@@ -211,10 +238,12 @@ class QuarkDynamicPass(_QuarkPass):
                 extra_options={"TmpDir": str(tmp)},
             ))
 
-        return run_quark(
+        result = run_quark(
             model, context, pass_name=self.name, mode="dynamic int8", make_config=make_config, feeds=None,
             quantized_ops=("DynamicQuantizeLinear", "MatMulInteger", "ConvInteger"),
         )
+        self._report(context, model, reduce_range)
+        return result
 
 
 # -- int4 weight-only -----------------------------------------------------------------------------

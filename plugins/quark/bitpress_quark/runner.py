@@ -69,7 +69,7 @@ def calibration_feeds(model: OnnxModel, data: Any) -> list[dict[str, np.ndarray]
             "folder, or a .txt file with a tokenizer) or 'data:' in the config"
         )
     config = DataConfig.from_value(data)
-    feeds = list(iter_feeds(model.proto, config, model.source.parent))
+    feeds = list(iter_feeds(model.proto, config, model.source.parent, root=getattr(model, "package_root", None)))
     if not feeds:
         raise UsageError(f"calibration data {config.source!r} gave no samples")
     return feeds
