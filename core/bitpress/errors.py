@@ -44,7 +44,11 @@ class ModelLoadError(BitpressError):
     """The input model cannot be read: not ONNX, truncated, missing or unsafe external data."""
 
 
-class UnsafeExternalDataError(ModelLoadError):
+class UnsafePathError(ModelLoadError):
+    """A file the input names or holds leaves the model's folder (symbolic link, ``../``, absolute path)."""
+
+
+class UnsafeExternalDataError(UnsafePathError):
     """An external-data location escapes the model's folder (``../``, absolute paths)."""
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,44 +34,43 @@ from typing import Any
 import torch
 from torch import nn
 
-from bitpress.errors import ModelLoadError
+from bitpress import paths
+from bitpress.errors import BitpressError, ModelLoadError
 from bitpress.hf.qtensor import QuantSpec, QuantTensor
+from bitpress.models import hf_files
 
 log = logging.getLogger(__name__)
 
 QUANT_METHOD = "bitpress"
 FORMAT = "bitpress-blockwise-v1"
 SAFETENSORS = "model.safetensors"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+PICKLE_SUFFIXES = hf_files.PICKLE_SUFFIXES
 #: files that are weights or the config (written anew), never copied as companions
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".msgpack", ".h5", ".gguf", ".onnx",
-                    ".onnx.data", ".index.json")
+_WEIGHT_SUFFIXES = hf_files.WEIGHT_SUFFIXES
 
 
 def weight_files(folder: Path) -> tuple[list[Path], list[Path]]:
-    """(safetensors files, pickled weight files) at the top of ``folder``."""
-    files = sorted(p for p in folder.iterdir() if p.is_file())
-    st = [p for p in files if p.name.endswith(".safetensors")]
-    pk = [p for p in files if p.name.endswith(PICKLE_SUFFIXES) and not p.name.startswith("training_args")]
-    return st, pk
+    """(safetensors files, pickled weight files) at the top of ``folder``, each confined to it."""
+    return hf_files.weight_files(folder)
 
 
 def companion_files(folder: Path) -> list[Path]:
-    """Top-level files to carry over unchanged: tokenizer, generation config, chat template, README."""
-    out = []
-    for p in sorted(folder.iterdir()):
-        if not p.is_file() or p.name == "config.json" or p.name.endswith(_WEIGHT_SUFFIXES):
-            continue
-        out.append(p)
-    return out
+    """Top-level files to carry over unchanged: tokenizer, generation config, chat template, README.
+
+    Each is checked to stay inside ``folder`` (a link to a file outside it is an error); copy
+    them with :func:`copy_companion`, which checks again right before reading.
+    """
+    return hf_files.companion_files(folder)
+
+
+def copy_companion(folder: Path, src: Path, dst: Path) -> Path:
+    """Copy a companion file of ``folder`` (its in-folder target's bytes when it is a link)."""
+    return paths.copy_inside(folder, src, dst, "file in the model folder")
 
 
 def read_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{path} is not a readable JSON file: {exc}") from None
+    data = hf_files.read_json(folder, "config.json")
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} must hold a JSON object")
     return data
@@ -122,7 +120,12 @@ def load_model(folder: Path, *, trust_remote_code: bool = False, allow_pickle: b
         )
     if ours and qc.get("format") != FORMAT:
         raise ModelLoadError(f"{folder}: unknown bitpress checkpoint format {qc.get('format')!r} (expected {FORMAT})")
-    st, pk = weight_files(folder)
+    if ours:
+        _check_quantization_config(folder, qc)
+    # confined to the folder, shard indexes and safetensors headers true to their files: checked
+    # right before transformers reads them (it opens what the index names)
+    st = hf_files.check_folder(folder)
+    _, pk = weight_files(folder)
     if not st:
         if not pk:
             raise ModelLoadError(f"{folder} has a config.json but no weights (*.safetensors)")
@@ -142,11 +145,14 @@ def load_model(folder: Path, *, trust_remote_code: bool = False, allow_pickle: b
             model = cls.from_pretrained(
                 folder, config=config, trust_remote_code=trust_remote_code, use_safetensors=bool(st), dtype="auto"
             )
-    except (ValueError, OSError, KeyError, ImportError) as exc:
+    except BitpressError:
+        raise
+    except Exception as exc:  # whatever transformers / safetensors raise on a bad folder
         hint = ""
         if "trust_remote_code" in str(exc) or (raw.get("auto_map") and not trust_remote_code):
             hint = " (the folder ships its own model code: opt in with trust_remote_code=true if you trust it)"
-        raise ModelLoadError(f"transformers cannot load {folder}: {str(exc).splitlines()[0]}{hint}") from None
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelLoadError(f"transformers cannot load {folder}: {first}{hint}") from None
     model.eval()
     if ours:
         _restore_quantized(model, st, qc)
@@ -173,7 +179,10 @@ def _restore_quantized(model: nn.Module, files: list[Path], qc: dict[str, Any]) 
                     wanted[key] = sf.get_tensor(key)
     params: dict[str, nn.Parameter] = {}
     for name, spec_json in qc.get("modules", {}).items():
-        spec = QuantSpec.from_json(spec_json)
+        try:
+            spec = QuantSpec.from_json(spec_json)
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"quantization_config.modules[{name!r}] is malformed: {exc}") from None
         try:
             qt = QuantTensor(wanted[f"{name}_qweight"], wanted[f"{name}_scales"], wanted.get(f"{name}_qzeros"), spec)
         except (KeyError, ValueError) as exc:
@@ -186,9 +195,28 @@ def _restore_quantized(model: nn.Module, files: list[Path], qc: dict[str, Any]) 
             raise ModelLoadError(f"the checkpoint quantizes {name}, which the model does not have") from None
     for group in qc.get("tied", []):
         canonical = group[0]
-        shared = params[canonical] if canonical in params else model.get_parameter(canonical)
-        for alias in group[1:]:
-            _set_param(model, alias, shared)
+        try:
+            shared = params[canonical] if canonical in params else model.get_parameter(canonical)
+            for alias in group[1:]:
+                _set_param(model, alias, shared)
+        except AttributeError:
+            raise ModelLoadError(f"quantization_config.tied names {group}, which the model does not have") from None
+
+
+def _check_quantization_config(folder: Path, qc: dict[str, Any]) -> None:
+    """The shape of our own ``quantization_config`` (read from a file: anything may be in it)."""
+    where = f"{folder / 'config.json'} quantization_config"
+    modules = qc.get("modules", {})
+    if not isinstance(modules, dict) or not all(isinstance(v, dict) for v in modules.values()):
+        raise ModelLoadError(f"{where}.modules must map parameter names to objects")
+    tied = qc.get("tied", [])
+    if not isinstance(tied, list) or not all(
+        isinstance(g, list) and g and all(isinstance(n, str) for n in g) for g in tied
+    ):
+        raise ModelLoadError(f"{where}.tied must be a list of lists of parameter names")
+    passes = qc.get("passes", [])
+    if passes is not None and not isinstance(passes, list):
+        raise ModelLoadError(f"{where}.passes must be a list")
 
 
 def parameter_groups(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
@@ -242,6 +270,6 @@ def save_model(model: nn.Module, dest: Path, *, source: Path | None = None,
         for f in companion_files(Path(source)):
             target = dest / f.name
             if not target.exists():
-                shutil.copy2(f, target)
+                copy_companion(Path(source), f, target)
                 files.append(target)
     return files

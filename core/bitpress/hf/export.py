@@ -78,8 +78,10 @@ class HfOnnxExport(ModelHandle):
             files = save_onnx(model, dest / name, SaveOptions(external_data, max_shard_size, check))
         else:
             files = _save_components(self.models, self.shared, dest, check)
-        for f in self.companions:
-            shutil.copy2(f, dest / f.name)
+        from bitpress.hf.checkpoint import copy_companion
+
+        for f in self.companions:  # checked to stay inside the source folder right before each is read
+            copy_companion(self.source, f, dest / f.name)
             files.append(dest / f.name)
         return files
 

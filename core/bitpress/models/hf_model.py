@@ -9,12 +9,12 @@ import torch. Loading is conservative: pickled weights (``.bin``) are refused un
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from bitpress.errors import ModelLoadError, UsageError
 from bitpress.models.base import ModelHandle
+from bitpress.models.hf_files import check_folder, read_json
 
 if TYPE_CHECKING:
     from torch import nn
@@ -52,16 +52,17 @@ class HfModel(ModelHandle):
         folder = Path(folder)
         if not is_hf_folder(folder):
             raise ModelLoadError(f"{folder} is not a Hugging Face folder (config.json and no .onnx model)")
-        try:
-            config = json.loads((folder / "config.json").read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelLoadError(f"{folder / 'config.json'} is not valid JSON: {exc}") from None
-        if not isinstance(config, dict):
-            raise ModelLoadError(f"{folder / 'config.json'} must hold a JSON object")
+        # every file confined to the folder, config.json an object, shard indexes and safetensors
+        # headers true to their files: checked here, before torch or transformers read anything
+        check_folder(folder)
+        config = read_json(folder, "config.json")
         handle = cls(folder, options)
         qc = config.get("quantization_config")
         if isinstance(qc, dict):
-            handle.history = list(qc.get("passes") or [])
+            passes = qc.get("passes") or []
+            if not isinstance(passes, list):
+                raise ModelLoadError(f"{folder / 'config.json'}: quantization_config.passes must be a list")
+            handle.history = list(passes)
         return handle
 
     def allow(self, *, trust_remote_code: bool = False, allow_pickle: bool = False) -> None:

@@ -9,13 +9,21 @@ from typing import ClassVar
 
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import DecodeError, Message
 from onnx import numpy_helper
 
 from bitpress.errors import ModelLoadError
 from bitpress.models.base import ModelHandle
 from bitpress.onnx.lazy_load import INLINE_PREFIX, load_lazy
-from bitpress.onnx.tensors import ExternalResolver, external_ref, is_external, iter_tensors
+from bitpress.onnx.tensors import (
+    ExternalResolver,
+    check_tensor,
+    external_ref,
+    is_external,
+    iter_graphs,
+    iter_tensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +47,12 @@ class OnnxModel(ModelHandle):
         self.resolver = ExternalResolver(base_dir if base_dir is not None else self.source.parent)
         self._spill: tuple[Path, object] | None = None
         self.modified = False
+        #: set when saved: why ``onnx.checker`` rejects the output as it does the input (None: it passes)
+        self.checker_note: str | None = None
         #: the source keeps weights in external data files (saving mirrors that by default)
         self.external_source = False
+        #: the package folder this model is a component of (its genai_config.json, tokenizer), if any
+        self.package_root: Path | None = None
 
     # -- loading -----------------------------------------------------------------------------
     @classmethod
@@ -57,13 +69,18 @@ class OnnxModel(ModelHandle):
         location = f"{INLINE_PREFIX}{uuid.uuid4().hex}"
         try:
             proto = load_lazy(path, location)
-        except (DecodeError, ValueError, IndexError, RuntimeError, OSError) as exc:
+        except (DecodeError, ValueError, IndexError, RuntimeError, OSError, OverflowError) as exc:
             raise ModelLoadError(
                 f"{path} is not a valid ONNX model (truncated or another format): {_first_line(exc)}"
             ) from None
         # protobuf parses many non-ONNX byte strings without complaint: require a real graph
         if proto.ir_version <= 0 or not proto.opset_import or not proto.HasField("graph"):
             raise ModelLoadError(f"{path} is not a valid ONNX model (no IR version, opset or graph)")
+        try:
+            check_strings(proto)
+            check_graphs(proto)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{path} is not a valid ONNX model: {exc}") from None
         model = cls(proto, path)
         model.resolver.extra[location] = path
         for tensor in iter_tensors(proto):
@@ -158,6 +175,50 @@ class OnnxModel(ModelHandle):
     def close(self) -> None:
         if self._spill is not None:
             self._spill[1].close()  # type: ignore[attr-defined]
+
+
+#: string fields that hold names (of values, nodes, ops, dims, metadata keys), and their longest length
+_NAME_FIELDS = frozenset({"name", "input", "output", "op_type", "domain", "key", "dim_param", "denotation",
+                          "ref_attr_name", "overload", "tensor_name"})
+MAX_NAME_CHARS = 1 << 16
+
+
+def check_strings(proto: onnx.ModelProto) -> None:
+    """Every string field is valid UTF-8 (protobuf hands invalid ones over as bytes) and names are not absurd."""
+    stack: list[Message] = [proto]
+    while stack:
+        msg = stack.pop()
+        for fd, value in msg.ListFields():
+            if fd.type == FieldDescriptor.TYPE_STRING:
+                for v in (value if fd.is_repeated else (value,)):
+                    if not isinstance(v, str):
+                        raise ModelLoadError(
+                            f"a {fd.containing_type.name}.{fd.name} is not valid UTF-8 text: {bytes(v)[:60]!r}"
+                        )
+                    if fd.name in _NAME_FIELDS and len(v) > MAX_NAME_CHARS:
+                        raise ModelLoadError(
+                            f"a {fd.containing_type.name}.{fd.name} is {len(v)} characters long "
+                            f"(at most {MAX_NAME_CHARS}): {v[:40]!r}..."
+                        )
+            elif fd.type == FieldDescriptor.TYPE_MESSAGE:
+                if fd.is_repeated:
+                    stack.extend(value)
+                else:
+                    stack.append(value)
+
+
+def check_graphs(proto: onnx.ModelProto) -> None:
+    """Initializer names are unique in each graph, and every tensor's header is consistent."""
+    for graph in iter_graphs(proto.graph):
+        seen: set[str] = set()
+        names = [t.name for t in graph.initializer] + [s.values.name for s in graph.sparse_initializer]
+        for name in names:
+            if name in seen:
+                where = f"graph {graph.name!r}" if graph.name else "the graph"
+                raise ModelLoadError(f"{where} has two initializers named {name!r}")
+            seen.add(name)
+    for tensor in iter_tensors(proto):
+        check_tensor(tensor)
 
 
 def _first_line(exc: BaseException) -> str:

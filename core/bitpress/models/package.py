@@ -11,8 +11,9 @@ import fnmatch
 import json
 import logging
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from bitpress import paths
 from bitpress.errors import ModelLoadError, UsageError
 from bitpress.models.base import ModelHandle
 from bitpress.models.onnx_model import OnnxModel
@@ -23,35 +24,106 @@ log = logging.getLogger(__name__)
 GENAI_CONFIG = "genai_config.json"
 
 
+def read_genai_config(folder: Path) -> dict[str, Any] | None:
+    """``folder``'s ``genai_config.json``, checked (None when there is none).
+
+    The file must be inside the folder (a link is followed only when it stays there), hold a
+    JSON object with a ``model.decoder`` object, and every file name it gives (``filename``,
+    ``config_filename``, ...) must be a relative name that stays inside the folder; the
+    decoder's file must exist.
+    """
+    folder = Path(folder)
+    cfg = paths.optional(folder, GENAI_CONFIG, GENAI_CONFIG)
+    if cfg is None:
+        return None
+    where = folder / GENAI_CONFIG
+    text = paths.read_text(folder, where, GENAI_CONFIG)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{where} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ModelLoadError(f"{where} is not valid JSON: nested too deeply") from None
+    check_genai_config(data, folder)
+    return data
+
+
+def check_genai_config(data: Any, folder: Path, *, require_decoder: bool = True) -> None:
+    """Raise ModelLoadError unless ``data`` has the shape of a ``genai_config.json`` of ``folder``.
+
+    File names must stay inside ``folder``; with ``require_decoder`` the decoder's must exist.
+    """
+    where = Path(folder) / GENAI_CONFIG
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{where} must hold a JSON object, not {paths.kind_of(data)}")
+    model = data.get("model")
+    if not isinstance(model, dict):
+        what = "has no 'model' section" if model is None else f"'model' must be an object, not {paths.kind_of(model)}"
+        raise ModelLoadError(f"{where} {what}")
+    decoder = model.get("decoder")
+    if not isinstance(decoder, dict):
+        what = ("has no 'model.decoder' section" if decoder is None
+                else f"'model.decoder' must be an object, not {paths.kind_of(decoder)}")
+        raise ModelLoadError(f"{where} {what}")
+    base = paths.resolve_root(folder)
+    for keys, value in _file_names(data, ()):
+        label = f"{GENAI_CONFIG} {'.'.join(keys)}"
+        name = paths.check_name(value, label)
+        # relative to the folder, or to a sub-folder named like the section (model.vision -> vision/)
+        section = keys[1] if len(keys) > 2 and keys[0] == "model" else None
+        candidates = [Path(folder) / name]
+        if section:
+            candidates.append(Path(folder) / section / name)
+        found = False
+        for c in candidates:
+            if paths.lexists(c):
+                paths.inside(folder, c, label, kind="any", base=base)
+                found = True
+        if not found and require_decoder and keys == ("model", "decoder", "filename"):
+            raise ModelLoadError(f"{where} names the decoder {value!r}, which is not in {folder}")
+
+
+def _file_names(value: Any, keys: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
+    """``(key path, value)`` of every entry whose key ends in ``filename``, at any depth."""
+    out: list[tuple[tuple[str, ...], Any]] = []
+    stack: list[tuple[tuple[str, ...], Any]] = [(keys, value)]
+    while stack:
+        at, v = stack.pop()
+        if isinstance(v, dict):
+            for k, item in v.items():
+                if k.lower().endswith("filename"):
+                    out.append(((*at, k), item))
+                elif isinstance(item, (dict, list)):
+                    stack.append(((*at, k), item))
+        elif isinstance(v, list):
+            stack.extend(((*at, str(i)), item) for i, item in enumerate(v) if isinstance(item, (dict, list)))
+    return sorted(out, key=lambda e: e[0])
+
+
 class OnnxPackage(ModelHandle):
     kind: ClassVar[str] = "onnx-folder"
 
-    def __init__(self, root: Path, onnx_files: list[str]) -> None:
+    def __init__(self, root: Path, onnx_files: list[str], genai: dict[str, Any] | None = None) -> None:
         super().__init__(root)
         self.root = Path(root)
         self.onnx_files = onnx_files  # relative posix paths, sorted
         self.loaded: dict[str, OnnxModel] = {}
+        self._genai = genai
 
     @classmethod
     def load(cls, root: Path) -> OnnxPackage:
+        """The folder's models and config; every file in it must stay inside it (links included)."""
         root = Path(root)
-        files = sorted(
-            p.relative_to(root).as_posix() for p in root.rglob("*.onnx") if p.is_file()
-        )
+        entries = paths.walk(root, "file in the model folder")
+        files = sorted(p.relative_to(root).as_posix() for p, _ in entries if p.name.endswith(".onnx"))
         if not files:
             raise ModelLoadError(f"{root} is a folder without any .onnx model")
-        cfg = root / GENAI_CONFIG
-        if cfg.exists():
-            try:
-                json.loads(cfg.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ModelLoadError(f"{cfg} is not valid JSON: {exc}") from None
-        return cls(root, files)
+        genai = read_genai_config(root)
+        return cls(root, files, genai)
 
     @property
     def genai_config(self) -> dict | None:
-        cfg = self.root / GENAI_CONFIG
-        return json.loads(cfg.read_text()) if cfg.exists() else None
+        return self._genai
 
     def configured_component(self, section: str) -> list[str]:
         """The model that a ``genai_config.json`` section (``decoder``, ``embedding``, ...) names.
@@ -97,7 +169,9 @@ class OnnxPackage(ModelHandle):
 
     def component(self, rel: str) -> OnnxModel:
         if rel not in self.loaded:
+            paths.inside(self.root, self.root / rel, "model")  # checked again right before it is read
             self.loaded[rel] = OnnxModel.load(self.root / rel)
+            self.loaded[rel].package_root = self.root  # calibration finds genai_config.json, tokenizer here
         return self.loaded[rel]
 
     def files_of(self, rel: str) -> set[Path]:
@@ -119,7 +193,11 @@ class OnnxPackage(ModelHandle):
             if rel not in replaced:
                 keep_for_others.add((self.root / rel).resolve())
         out = []
-        for p in sorted(self.root.rglob("*")):
-            if p.is_file() and (p.resolve() not in skip or p.resolve() in keep_for_others):
+        for p, real in paths.walk(self.root, "file in the model folder"):
+            if real not in skip or real in keep_for_others:
                 out.append(p)
         return out
+
+    def copy_file(self, src: Path, dst: Path) -> Path:
+        """Copy a companion file (its in-folder target's bytes when it is a link), checked right before."""
+        return paths.copy_inside(self.root, src, dst, "file in the model folder")

@@ -17,6 +17,8 @@ import onnx
 from onnx import numpy_helper
 
 from bitpress.errors import ModelLoadError, UnsafeExternalDataError
+from bitpress.onnx.lazy_load import INLINE_PREFIX
+from bitpress.paths import MAX_NAME_BYTES, MAX_PART_BYTES
 
 
 def iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
@@ -64,20 +66,54 @@ class ExternalRef:
     length: int | None
 
 
+#: the largest offset / length / element count a tensor may claim (far beyond any real file)
+MAX_BYTES = 1 << 60
+
+
 def external_ref(tensor: onnx.TensorProto) -> ExternalRef:
-    info = {e.key: e.value for e in tensor.external_data}
+    info: dict[str, str] = {}
+    for e in tensor.external_data:
+        if e.key in info:
+            raise ModelLoadError(f"tensor {tensor.name!r} gives its external {e.key!r} twice")
+        info[e.key] = e.value
     if "location" not in info:
         raise ModelLoadError(f"tensor {tensor.name!r} is marked external but has no location")
     try:
-        offset = int(info.get("offset", 0))
-        length = int(info["length"]) if "length" in info else None
+        offset = _nonneg_int(info.get("offset", "0"))
+        length = _nonneg_int(info["length"]) if "length" in info else None
     except ValueError:
-        raise ModelLoadError(f"tensor {tensor.name!r} has a malformed external offset/length") from None
+        raise ModelLoadError(
+            f"tensor {tensor.name!r} has a malformed external offset/length "
+            f"(offset={info.get('offset', '0')[:40]!r}, length={info.get('length', '')[:40]!r}): "
+            f"expected whole numbers from 0 to {MAX_BYTES}"
+        ) from None
     return ExternalRef(info["location"], offset, length)
+
+
+def _nonneg_int(text: str) -> int:
+    if not isinstance(text, str) or len(text) > 20 or not text.strip().isdigit():
+        raise ValueError(text)
+    value = int(text)
+    if value > MAX_BYTES:
+        raise ValueError(text)
+    return value
 
 
 def check_location(location: str, base_dir: Path, *, tensor: str) -> Path:
     """The file ``location`` names, refusing anything that leaves ``base_dir``."""
+    if not isinstance(location, str) or any(ord(c) < 32 or c == "\x7f" for c in location):
+        raise ModelLoadError(
+            f"tensor {tensor!r}: external data location {str(location)[:80]!r} contains control characters; "
+            "expected a file name beside the model"
+        )
+    encoded = location.encode("utf-8", "surrogatepass")
+    if len(encoded) > MAX_NAME_BYTES or any(
+        len(part.encode("utf-8", "surrogatepass")) > MAX_PART_BYTES for part in location.replace("\\", "/").split("/")
+    ):
+        raise ModelLoadError(
+            f"tensor {tensor!r}: external data location {location[:60]!r}... is {len(encoded)} bytes long, "
+            f"longer than a file name can be (at most {MAX_NAME_BYTES}, {MAX_PART_BYTES} per part)"
+        )
     if (
         not location
         or PurePosixPath(location).is_absolute()
@@ -95,8 +131,12 @@ def check_location(location: str, base_dir: Path, *, tensor: str) -> Path:
             f"tensor {tensor!r}: external data location {location!r} leaves the model's folder; "
             "move the data file beside the model (refused for safety)"
         )
-    base = base_dir.resolve()
-    path = (base / Path(*parts)).resolve()
+    try:
+        base = base_dir.resolve()
+        path = (base / Path(*parts)).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # a link loop
+        raise ModelLoadError(f"tensor {tensor!r}: cannot resolve external data location {location!r}: {exc}") \
+            from None
     if not path.is_relative_to(base):
         raise UnsafeExternalDataError(
             f"tensor {tensor!r}: external data location {location!r} resolves outside the "
@@ -121,19 +161,92 @@ def np_dtype(tensor: onnx.TensorProto) -> np.dtype:
     return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
 
 
+#: bits per element of the packed sub-byte types
+_SUB_BYTE_BITS = {
+    onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4,
+    getattr(onnx.TensorProto, "FLOAT4E2M1", -1): 4,
+    getattr(onnx.TensorProto, "INT2", -2): 2, getattr(onnx.TensorProto, "UINT2", -3): 2,
+}
+#: types whose bytes onnx unpacks (sub-byte, and 6-bit floats whose packing we leave to onnx)
+_UNPACKED_BY_ONNX = set(_SUB_BYTE_BITS) | {
+    getattr(onnx.TensorProto, name) for name in ("FLOAT6E2M3", "FLOAT6E3M2") if hasattr(onnx.TensorProto, name)
+}
+_KNOWN_TYPES = frozenset(v for v in onnx.TensorProto.DataType.values() if v != onnx.TensorProto.UNDEFINED)
+_COMPLEX = {onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128}
+
+
+def element_count(tensor: onnx.TensorProto) -> int:
+    """Elements implied by the dims (Python integers: a product cannot wrap around)."""
+    count = 1
+    for d in tensor.dims:
+        count *= int(d)
+    return count
+
+
 def expected_nbytes(tensor: onnx.TensorProto) -> int | None:
-    """Size in bytes implied by dims and dtype (None for strings / sub-byte types)."""
+    """Size in bytes implied by dims and dtype (None for strings and types of unknown packing)."""
     if tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        return None
+    bits = _SUB_BYTE_BITS.get(tensor.data_type)
+    count = element_count(tensor)
+    if bits is not None:
+        return (count * bits + 7) // 8
+    if tensor.data_type in _UNPACKED_BY_ONNX:
         return None
     try:
         itemsize = np_dtype(tensor).itemsize
     except (KeyError, TypeError, ValueError):
         return None
-    bits = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4}.get(tensor.data_type)
-    count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
-    if bits is not None:
-        return (count * bits + 7) // 8
     return count * itemsize
+
+
+def check_tensor(tensor: onnx.TensorProto) -> None:
+    """Refuse a tensor whose header cannot be true: unknown type, negative or overflowing dims,
+    inline data of another size than its dims and type imply, a malformed external reference.
+
+    External files are checked by :meth:`ExternalResolver.validate`.
+    """
+    name = tensor.name
+    if tensor.data_type not in _KNOWN_TYPES:
+        raise ModelLoadError(f"tensor {name!r} has an unknown data type {tensor.data_type}")
+    for d in tensor.dims:
+        if d < 0:
+            raise ModelLoadError(f"tensor {name!r} has a negative dimension: dims {list(tensor.dims)}")
+    count = element_count(tensor)
+    if count > MAX_BYTES:
+        raise ModelLoadError(f"tensor {name!r} claims {count} elements (dims {list(tensor.dims)}): not a real tensor")
+    if is_external(tensor):
+        if tensor.data_type == onnx.TensorProto.STRING:
+            raise ModelLoadError(f"tensor {name!r} of type STRING is marked external (ONNX keeps strings inline)")
+        ref = external_ref(tensor)
+        if not ref.location:
+            raise ModelLoadError(f"tensor {name!r} is marked external with an empty location")
+        return
+    if tensor.external_data:
+        raise ModelLoadError(f"tensor {name!r} has external data entries but is not marked external")
+    if tensor.HasField("segment"):
+        return  # a chunk of a larger tensor: its dims are the whole one's
+    type_name = onnx.TensorProto.DataType.Name(tensor.data_type)
+    if tensor.HasField("raw_data"):
+        if tensor.data_type == onnx.TensorProto.STRING:
+            raise ModelLoadError(f"tensor {name!r} of type STRING holds raw_data (strings go in string_data)")
+        want = expected_nbytes(tensor)
+        if want is not None and len(tensor.raw_data) != want:
+            raise ModelLoadError(
+                f"tensor {name!r} holds {len(tensor.raw_data)} bytes of data, but its dims {list(tensor.dims)} "
+                f"and type {type_name} need {want}"
+            )
+        return
+    if tensor.data_type in _UNPACKED_BY_ONNX:
+        return  # packed into int32_data in ways onnx itself checks
+    field = onnx.helper.tensor_dtype_to_field(tensor.data_type)
+    have = len(getattr(tensor, field))
+    want = count * (2 if tensor.data_type in _COMPLEX else 1)
+    if have != want:
+        raise ModelLoadError(
+            f"tensor {name!r} holds {have} values in {field}, but its dims {list(tensor.dims)} "
+            f"and type {type_name} need {want}"
+        )
 
 
 class ExternalResolver:
@@ -156,10 +269,10 @@ class ExternalResolver:
         path, ref = self.path(tensor)
         dtype = np_dtype(tensor)
         shape = tuple(tensor.dims)
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = element_count(tensor)
         if count == 0:
             return np.zeros(shape, dtype=dtype)
-        if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+        if tensor.data_type in _UNPACKED_BY_ONNX:
             # sub-byte types: let onnx unpack them from the bytes
             copy = onnx.TensorProto()
             copy.CopyFrom(tensor)
@@ -183,7 +296,7 @@ class ExternalResolver:
         dtype = np_dtype(tensor)
         shape = tuple(int(d) for d in tensor.dims)
         row_elems = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-        if is_external(tensor) and tensor.data_type not in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+        if is_external(tensor) and tensor.data_type not in _UNPACKED_BY_ONNX:
             path, ref = self.path(tensor)
             row_bytes = row_elems * dtype.itemsize
 
@@ -208,7 +321,7 @@ class ExternalResolver:
                 return out
 
             return read
-        if tensor.HasField("raw_data") and tensor.data_type not in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+        if tensor.HasField("raw_data") and tensor.data_type not in _UNPACKED_BY_ONNX:
             full = np.frombuffer(tensor.raw_data, dtype=dtype).reshape(shape)
         else:
             full = self.read(tensor)
@@ -236,6 +349,11 @@ class ExternalResolver:
         expected = expected_nbytes(tensor)
         length = ref.length if ref.length is not None else expected
         if ref.length is not None and expected is not None and ref.length != expected:
+            if ref.location.startswith(INLINE_PREFIX):  # inline raw_data left in the .onnx file
+                raise ModelLoadError(
+                    f"tensor {tensor.name!r} holds {ref.length} bytes of data, but its dims {list(tensor.dims)} "
+                    f"and type {onnx.TensorProto.DataType.Name(tensor.data_type)} need {expected}"
+                )
             raise ModelLoadError(
                 f"tensor {tensor.name!r}: external length {ref.length} does not match its shape "
                 f"{list(tensor.dims)} ({expected} bytes)"
