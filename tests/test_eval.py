@@ -363,10 +363,18 @@ def test_kv_cache_folder_with_symbolic_heads(tmp_path: Path) -> None:
     assert res.logits() is not None and res.logits().relative_l2 > 0.1  # type: ignore[union-attr]
 
 
-def test_static_cache_is_refused(tmp_path: Path) -> None:
-    src = build_kv_decoder(tmp_path / "static.onnx", static_past=4)
-    with pytest.raises(EvalError, match="static KV cache"):
-        evaluate(src, src, samples=1, seq_len=8)
+def test_static_cache_is_fed_masked_zeros(tmp_path: Path) -> None:
+    """A static cache (a number as past length): zeros of that capacity, masked out by attention_mask."""
+    dyn = build_kv_decoder(tmp_path / "dyn.onnx")
+    static = build_kv_decoder(tmp_path / "static.onnx", static_past=4)
+    tok = word_tokenizer(tmp_path / "tok" / "tokenizer.json", 64)
+    text = word_text(tmp_path / "t.txt", 40, 64)
+    a = evaluate(dyn, dyn, text=text, tokenizer=tok, seq_len=8)
+    b = evaluate(static, static, text=text, tokenizer=tok, seq_len=8)
+    assert a.perplexity is not None and b.perplexity is not None
+    assert b.perplexity.reference == pytest.approx(a.perplexity.reference, rel=1e-5)
+    assert {o.name: o.shape for o in b.outputs}["present.0.key"] == [1, 2, 4 + 8, 16]
+    assert any("static cache 4" in n for n in b.notes), b.notes
 
 
 # -- perplexity ---------------------------------------------------------------------------------------

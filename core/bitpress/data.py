@@ -7,9 +7,15 @@ Sources:
   says so.
 * ``.npz`` files (one file, or a folder of them): each file holds arrays named like the
   model's inputs; a leading axis larger than the model's batch is split into samples.
-* a text file (``.txt``) with a tokenizer (``tokenizer.json`` in the model's folder, or
-  ``tokenizer``): windows of ``seq_len`` tokens give ``input_ids`` (and ``attention_mask``,
-  ``position_ids`` when the model takes them). Needs the ``tokenizers`` package.
+* a text file (``.txt``) with a tokenizer (``tokenizer.json`` in the model's folder or the
+  package's root, or ``tokenizer``): windows of ``seq_len`` tokens give ``input_ids`` (and
+  ``attention_mask``, ``position_ids`` when the model takes them), each starting with BOS when
+  the tokenizer asks for it. Needs the ``tokenizers`` package.
+
+KV-cache exports (ONNX Runtime GenAI builder, Optimum, mobius) work with every source: the
+``past_*`` inputs a source does not give are an empty cache, or zeros of a fixed capacity where
+the model needs one (a sliding-window or static cache), as ``bitpress eval`` feeds them
+(:mod:`bitpress.kvcache`; head counts and window sizes from ``genai_config.json``).
 """
 
 from __future__ import annotations
@@ -96,23 +102,37 @@ def _vocab_size(model: onnx.ModelProto) -> int:
 
 
 def iter_feeds(
-    model: onnx.ModelProto, config: DataConfig, model_dir: Path | None = None
+    model: onnx.ModelProto, config: DataConfig, model_dir: Path | None = None, *, root: Path | None = None
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Yield ``config.samples`` feeds for ONNX Runtime."""
+    """Yield ``config.samples`` feeds for ONNX Runtime.
+
+    ``model_dir``: the model's folder (its tokenizer.json and genai_config.json); ``root``: the
+    package folder holding it (an ONNX Runtime GenAI folder whose model is in a sub-folder), where
+    those files are looked for next. Nothing above ``root`` (or ``model_dir``) is read.
+    """
+    from bitpress.kvcache import CachePlan, cache_plan, is_past, kv_hints, read_genai_config
+
     src = config.source
     specs = input_specs(model)
+    plan = CachePlan()
+    if any(is_past(s) for s in specs):
+        genai = read_genai_config(model_dir, root) if model_dir is not None else None
+        plan = cache_plan(model, kv_hints(genai), specs=specs)
+    plain = [s for s in specs if not is_past(s)]
     if src == "random":
         log.warning("calibrating on random inputs: fine for smoke tests, not for real quality")
-        yield from _random(specs, config, _vocab_size(model))
+        for feed in _random(plain, config, _vocab_size(model)):
+            yield plan.fill(feed)
         return
     path = Path(src)
     if not path.exists():
         raise UsageError(f"calibration data {src!r} not found (use 'random', a .npz file/folder or a .txt file)")
     if path.is_dir() or path.suffix == ".npz":
-        yield from _npz(path, specs, config)
+        for feed in _npz(path, specs, config, {p.name for p in plan.past}):
+            yield plan.fill(feed)
         return
     if path.suffix in (".txt", ".cor", ".md", ".text"):
-        yield from _text(path, specs, config, model_dir)
+        yield from _text(path, specs, config, model_dir, root, plan)
         return
     raise UsageError(f"calibration data {src!r}: expected 'random', a .npz file or folder, or a .txt file")
 
@@ -148,56 +168,44 @@ def _random(specs: list[InputSpec], config: DataConfig, vocab: int) -> Iterator[
         yield feed
 
 
-def _npz(path: Path, specs: list[InputSpec], config: DataConfig) -> Iterator[dict[str, np.ndarray]]:
+def _npz(
+    path: Path, specs: list[InputSpec], config: DataConfig, optional: frozenset[str] | set[str] = frozenset()
+) -> Iterator[dict[str, np.ndarray]]:
+    """Samples of the files; ``optional`` inputs (the cache) may be absent: the caller fills them."""
     files = sorted(path.glob("*.npz")) if path.is_dir() else [path]
     if not files:
         raise UsageError(f"no .npz files in {path}")
     names = {s.name for s in specs}
+    required = names - set(optional)
     produced = 0
     for f in files:
         with np.load(f, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-        missing = names - set(arrays)
+        missing = required - set(arrays)
         if missing:
             raise UsageError(f"{f.name} lacks inputs {sorted(missing)}; it has {sorted(arrays)}")
         n = len(next(iter(arrays.values())))
         step = max(1, config.batch)
         for i in range(0, n, step):
-            yield {k: arrays[k][i : i + step] for k in names}
+            yield {k: arrays[k][i : i + step] for k in names if k in arrays}
             produced += 1
             if produced >= config.samples:
                 return
 
 
 def _text(
-    path: Path, specs: list[InputSpec], config: DataConfig, model_dir: Path | None
+    path: Path, specs: list[InputSpec], config: DataConfig, model_dir: Path | None, root: Path | None,
+    plan: Any,
 ) -> Iterator[dict[str, np.ndarray]]:
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise UsageError("text calibration data needs the 'tokenizers' package: pip install tokenizers") from None
-    tok_path = Path(config.tokenizer) if config.tokenizer else (model_dir or path.parent)
-    if tok_path.is_dir():
-        tok_path = tok_path / "tokenizer.json"
-    if not tok_path.is_file():
-        raise UsageError(f"no tokenizer.json at {tok_path}; pass data.tokenizer (a tokenizer.json or its folder)")
-    tokenizer = Tokenizer.from_file(str(tok_path))
-    ids = np.array(tokenizer.encode(path.read_text(errors="replace")).ids, dtype=np.int64)
-    if ids.size < config.seq_len:
-        raise UsageError(f"{path.name} holds {ids.size} tokens, fewer than seq_len={config.seq_len}")
-    by_name = {s.name: s for s in specs}
-    windows = ids[: ids.size // config.seq_len * config.seq_len].reshape(-1, config.seq_len)
-    for i in range(0, min(len(windows), config.samples * config.batch), config.batch):
-        w = windows[i : i + config.batch]
-        feed: dict[str, np.ndarray] = {}
-        for name, s in by_name.items():
-            lname = name.lower()
-            if "input_ids" in lname or lname == "ids":
-                feed[name] = w.astype(s.dtype)
-            elif "mask" in lname:
-                feed[name] = np.ones(w.shape, s.dtype)
-            elif "position" in lname:
-                feed[name] = np.broadcast_to(np.arange(w.shape[1], dtype=s.dtype), w.shape).copy()
-            else:
-                raise UsageError(f"text calibration cannot fill input {name!r}; give .npz files instead")
+    """Windows of ``seq_len`` tokens (BOS first when the tokenizer asks), the cache as ``plan`` fills it."""
+    from bitpress.kvcache import find_tokenizer, token_windows, tokenize, window_feeds
+
+    if model_dir is None and not config.tokenizer:
+        raise UsageError("text calibration data needs a tokenizer: pass --tokenizer / data.tokenizer "
+                         "(a tokenizer.json or its folder)")
+    tok_path = find_tokenizer(config.tokenizer, [(Path(model_dir), root)] if model_dir is not None else [],
+                              "--tokenizer / data.tokenizer")
+    tokens = tokenize(path, tok_path)
+    windows = token_windows(tokens, config.seq_len, config.samples * config.batch, shorter="error")
+    for _, feed in window_feeds(specs, plan, windows, config.batch, "text calibration"):
         yield feed
