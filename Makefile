@@ -55,7 +55,10 @@ bench: venv
 # get a venv of their own. Rebuilt when the plugin's pyproject changes; skipped without the plugin.
 ENVS := $(CURDIR)/.bitpress-envs
 ifneq ($(wildcard plugins/quark/pyproject.toml),)
+# `bitpress env root` records the folder in $(VENV)/bitpress-envs.json: the activated .venv finds
+# the environments without BITPRESS_ENVS
 envs: $(ENVS)/quark/env.json
+	$(VENV)/bin/bitpress env root $(ENVS)
 $(ENVS)/quark/env.json: plugins/quark/pyproject.toml | venv
 	BITPRESS_ENVS=$(ENVS) $(VENV)/bin/bitpress env create quark --force
 else

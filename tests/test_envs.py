@@ -63,6 +63,7 @@ def test_envs_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("BITPRESS_ENVS", str(tmp_path / "here"))
     assert envs_root() == tmp_path / "here"
     monkeypatch.delenv("BITPRESS_ENVS")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))  # no root recorded for this Python (tests/test_envs_root.py)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert envs_root() == tmp_path / ".cache" / "bitpress" / "envs"
@@ -160,6 +161,42 @@ def test_proxies_from_a_manifest(run_cli, monkeypatch: pytest.MonkeyPatch, tmp_p
         cls.from_config({"bogus": 1})
     with pytest.raises(bitpress.errors.OptionError, match="contradicts --precision int4"):
         cls.from_config({"bits": 8}, "int4")
+
+
+def test_stale_manifest_of_a_checkout_env_is_read_again(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An env built from the checkout runs the checkout's code: a new option must not be refused."""
+    from bitpress.envs import manager
+
+    envs, checkout = tmp_path / "envs", tmp_path / "checkout"
+    path = _fake_env(envs)
+    meta = json.loads((path / "env.json").read_text())
+    (path / "env.json").write_text(json.dumps({**meta, "source": "checkout"}))
+    src = checkout / "plugins" / "fake" / "bitpress_fake" / "passes.py"
+    src.parent.mkdir(parents=True)
+    src.write_text("# the plugin's code\n")
+    (checkout / "core" / "bitpress").mkdir(parents=True)
+    old = time.time() - 100
+    os.utime(src, (old, old))
+    monkeypatch.setattr(manager, "checkout_root", lambda: checkout)
+    calls = []
+
+    def fresh_manifest(py: Path, env_dir: Path, name: str) -> dict:
+        calls.append(name)
+        data = json.loads((env_dir / "manifest.json").read_text())
+        data["passes"][0]["options"].append({"name": "reduce_range", "type": "bool", "default": True, "help": ""})
+        return data
+
+    monkeypatch.setattr(manager, "_manifest", fresh_manifest)
+    assert "reduce_range" not in str(manager.get_env("fake", envs).manifest) and calls == []  # up to date
+    os.utime(src)  # the plugin's code is edited after the build
+    info = manager.get_env("fake", envs)
+    assert calls == ["fake"] and "reduce_range" in str(info.manifest)
+    manager.get_env("fake", envs)
+    assert calls == ["fake"]  # written once; fresh since
+    (path / "env.json").write_text(json.dumps({**meta, "source": "index"}))
+    os.utime(src, (time.time() + 10, time.time() + 10))
+    manager.get_env("fake", envs)
+    assert calls == ["fake"]  # an env installed from an index has its own copy of the code
 
 
 def test_proxy_of_a_broken_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

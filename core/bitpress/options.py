@@ -2,7 +2,9 @@
 
 A pass declares ``Options`` as a dataclass; each field's ``metadata["help"]`` explains it.
 :func:`parse_options` turns user input (JSON values, or strings from ``--option k=v``) into an
-instance, failing before any work on unknown keys or values of the wrong type.
+instance, failing before any work on unknown keys or values of the wrong type. Cross-field
+checks live in ``validate()`` methods; the host runs the one of every class in the options
+class's MRO, base first (:func:`validate_options`), so a subclass cannot drop its bases' checks.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def parse_options(options_cls: type, values: dict[str, Any] | None, *, owner: st
     if unknown:
         valid = ", ".join(sorted(known)) or "(none)"
         raise OptionError(
-            f"{owner}: unknown option(s) {', '.join(unknown)}; valid options: {valid}"
+            f"{owner}: unknown option(s) {', '.join(_did_you_mean(n, known) for n in unknown)}; valid options: {valid}"
             f" (see `bitpress passes show {owner}`)"
         )
     kwargs = {}
@@ -87,13 +89,51 @@ def parse_options(options_cls: type, values: dict[str, Any] | None, *, owner: st
         instance = options_cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise OptionError(f"{owner}: {exc}") from None
-    check = getattr(instance, "validate", None)
-    if check is not None:
-        try:
-            check()
-        except ValueError as exc:
-            raise OptionError(f"{owner}: {exc}") from None
+    validate_options(instance, owner=owner)
     return instance
+
+
+def validators(options_cls: type) -> list[Any]:
+    """The ``validate`` attributes defined along ``options_cls``'s MRO, base classes first, each once."""
+    found: list[Any] = []
+    for klass in reversed(options_cls.__mro__):
+        check = klass.__dict__.get("validate")
+        if check is not None and not any(check is seen for seen in found):
+            found.append(check)
+    return found
+
+
+def validate_options(instance: Any, *, owner: str) -> None:
+    """Run the cross-field checks of ``instance``: the ``validate()`` of every class in its MRO.
+
+    Base classes come first and each runs on its own, so a subclass's ``validate()`` adds checks
+    but can never drop those of the classes it extends (the host's ``WeightOnlyOptions`` among
+    them), whether or not it calls ``super().validate()`` (calling it only repeats a check).
+    A ``ValueError`` or ``TypeError`` raised by a check is the user's mistake: it becomes an
+    :class:`OptionError` (exit code 2) naming ``owner``; bitpress errors pass through unchanged.
+    """
+    cls = type(instance)
+    for check in validators(cls):
+        bound = check.__get__(instance, cls) if hasattr(check, "__get__") else check
+        if not callable(bound):
+            continue
+        try:
+            bound()
+        except (TypeError, ValueError) as exc:
+            raise OptionError(f"{owner}: {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def _did_you_mean(name: str, known: set[str]) -> str:
+    """``name``, followed by ``(did you mean block_size?)`` when a known option is close to it."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    return f"{name} (did you mean {close[0]}?)" if close else name
 
 
 def coerce(value: Any, tp: Any) -> Any:

@@ -8,7 +8,16 @@ plugin's passes as proxies and runs them there, exchanging models as files
 """
 
 from bitpress.envs.manager import EnvInfo, create_env, get_env, install_args, list_envs, remove_env
-from bitpress.envs.protocol import HERE, EnvError, WorkerError, WorkerTimeoutError, envs_root
+from bitpress.envs.protocol import (
+    HERE,
+    EnvError,
+    EnvsRoot,
+    WorkerError,
+    WorkerTimeoutError,
+    envs_root,
+    locate_envs_root,
+    record_envs_root,
+)
 from bitpress.envs.remote import EnvPass, add_env_passes, pinned_pass, where
 
 __all__ = [
@@ -16,6 +25,7 @@ __all__ = [
     "EnvError",
     "EnvInfo",
     "EnvPass",
+    "EnvsRoot",
     "WorkerError",
     "WorkerTimeoutError",
     "add_env_passes",
@@ -24,7 +34,9 @@ __all__ = [
     "get_env",
     "install_args",
     "list_envs",
+    "locate_envs_root",
     "pinned_pass",
+    "record_envs_root",
     "remove_env",
     "where",
 ]

@@ -167,7 +167,41 @@ def get_env(name: str, root: Path | None = None) -> EnvInfo | None:
     meta = _read_json(path / ENV_FILE)
     if meta is None:
         return None
+    _refresh_stale_manifest(name, path, meta)
     return EnvInfo(name, path, meta, _read_json(path / MANIFEST_FILE))
+
+
+def _refresh_stale_manifest(name: str, path: Path, meta: dict[str, Any]) -> None:
+    """Re-read the passes of an environment built from this checkout when its code changed.
+
+    Such an environment runs the checkout's code (editable installs), so it picks up edits
+    at once, but ``manifest.json`` (the pass options the host checks names against) was
+    written when it was built: a new option would be refused as unknown until a rebuild.
+    """
+    manifest = path / MANIFEST_FILE
+    checkout = checkout_root()
+    if meta.get("source") != "checkout" or checkout is None or not manifest.is_file():
+        return
+    plugin_dir = checkout / "plugins" / str(meta.get("plugin", name))
+    sources = [*plugin_dir.rglob("*.py"), *(checkout / "core" / "bitpress").rglob("*.py")]
+    try:
+        stamp = manifest.stat().st_mtime
+        if not any(src.stat().st_mtime > stamp for src in sources):
+            return
+    except OSError:
+        return
+    py = env_python(path)
+    if not py.exists():
+        return
+    log.info("the code of environment %s changed since its manifest was written: reading its passes again", name)
+    try:
+        fresh = _manifest(py, path, name)
+    except (EnvError, UsageError, OSError) as exc:
+        log.warning("could not refresh the manifest of environment %s (%s); using the old one", name, exc)
+        return
+    tmp = manifest.with_name(f".{MANIFEST_FILE}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(fresh, indent=2, default=str) + "\n")
+    os.replace(tmp, manifest)
 
 
 def list_envs(root: Path | None = None) -> list[EnvInfo]:
