@@ -32,9 +32,9 @@ from benchkit import WORK
 
 PHASES = [  # (module, attribute, phase name); patched where the caller looks the name up
     ("bitpress.models.onnx_model", "OnnxModel.load", "load (parse the .onnx)"),
-    ("bitpress.onnx.weightonly", "plan", "pass: plan"),
-    ("bitpress.onnx.weightonly", "quantize_weights", "pass: solve + write nodes"),
-    ("bitpress.onnx.weightonly", "Writer.finish", "pass: swap nodes"),
+    ("bitpress.onnx.weightonly.passes", "plan", "pass: plan"),
+    ("bitpress.onnx.weightonly.passes", "quantize_weights", "pass: solve + write nodes"),
+    ("bitpress.onnx.weightonly.writing", "Writer.finish", "pass: swap nodes"),
     ("onnx.checker", "check_model", "save: check: onnx.checker"),
     ("bitpress.onnx.save", "open_session", "save: check: ORT session"),
     ("bitpress.onnx.save", "check_saved", "save: check (both)"),

@@ -92,3 +92,19 @@ class NameMatcher:
 
     def matches(self, *names: str) -> bool:
         return self.first(*names) is not None
+
+    def unmatched(self, names: Iterable[str]) -> list[str]:
+        """The patterns (in the user's order) that match none of ``names``: typos, usually."""
+        names = [n for n in names if n]
+        return [
+            raw for raw, (kind, pat) in zip(self.patterns, self._compiled, strict=True)
+            if not any(_hit(kind, pat, n) for n in names)
+        ]
+
+
+def _hit(kind: str, pat: object, name: str) -> bool:
+    return bool(
+        (kind == "exact" and name == pat)
+        or (kind == "glob" and fnmatch.fnmatchcase(name, pat))  # type: ignore[arg-type]
+        or (kind == "re" and pat.fullmatch(name))  # type: ignore[union-attr]
+    )

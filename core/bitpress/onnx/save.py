@@ -86,7 +86,7 @@ def save_onnx(model: OnnxModel, dest: Path, options: SaveOptions | None = None) 
     files.insert(0, dest)
     if options.check:
         release_free_memory()  # ONNX Runtime is about to load the whole output
-        check_saved(dest, reference=model.source, graph=probe)
+        model.checker_note = check_saved(dest, reference=model.source, graph=probe)
     return files
 
 
@@ -251,7 +251,7 @@ def _copy_range(src: Path, offset: int, length: int, out) -> None:
             remaining -= len(chunk)
 
 
-def check_saved(path: Path, reference: Path | None = None, graph: onnx.ModelProto | None = None) -> None:
+def check_saved(path: Path, reference: Path | None = None, graph: onnx.ModelProto | None = None) -> str | None:
     """``onnx.checker.check_model(path)`` and an ONNX Runtime CPU session on the saved file.
 
     ``graph``: for a single-file output, the written graph with its large initializers as
@@ -260,8 +260,10 @@ def check_saved(path: Path, reference: Path | None = None, graph: onnx.ModelProt
 
     A checker failure that the input model shares (e.g. ORT GenAI exports with ORT-only ops
     in the default domain) is logged, not raised: the output must fail no check that the
-    input passed. The ONNX Runtime session must always open.
+    input passed; the checker's reason is returned then (the run reports it), else ``None``.
+    The ONNX Runtime session must always open.
     """
+    note = None
     try:
         if graph is None:
             onnx.checker.check_model(str(path))
@@ -278,9 +280,11 @@ def check_saved(path: Path, reference: Path | None = None, graph: onnx.ModelProt
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if reference is not None and reference.suffix == ".onnx" and not _passes_checker(reference):
             log.info("%s fails the ONNX checker as its input does: %s", path.name, reason)
+            note = reason
         else:
             raise ValidationError(f"saved model {path.name} fails the ONNX checker: {reason}") from None
     open_session(path)
+    return note
 
 
 def _passes_checker(path: Path) -> bool:

@@ -6,11 +6,11 @@ import functools
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from bitpress.onnx.weightonly import WeightOnlyOptions, WeightOnlyPass, plan
+from bitpress.onnx.weightonly import Plan, WeightOnlyOptions, WeightOnlyPass, plan
 from bitpress.options import option
-from bitpress.passes import PassContext
 from bitpress.quant.solver import BlockSolver
-from bitpress_kquant.recipe import HIGH_BITS, q4_k_m_overrides
+from bitpress.selection import NameMatcher
+from bitpress_kquant.recipe import HIGH_BITS, is_head, q4_k_m_overrides
 from bitpress_kquant.solver import kquant_solver
 
 
@@ -63,18 +63,39 @@ class Q4KMPass(KQuantPass):
     Options: ClassVar[type] = Q4KMOptions
     aliases: ClassVar[tuple[str, ...]] = ()
 
-    def run(self, model: Any, context: PassContext) -> Any:
+    def weight_plan(self, model: Any) -> Plan:
+        """The plan with the recipe's widths: the real run and ``--plan`` both use it.
+
+        llama.cpp gives the output head Q6_K (Q8_0 when its rows are not a multiple of 256
+        wide) and, when the embedding is tied (no head tensor), the token embedding the head's
+        type: here both become 8 bits, so a model whose tied table dominates costs close to
+        8 bits per weight, as llama.cpp's own Q4_K_M of it costs 6.5-8.5.
+        """
         opts = self.options
         groups = plan(model, opts).groups
         names = sorted({n for g in groups for n in [g.weight, *(u.node.name for u in g.uses)] if n})
         high = q4_k_m_overrides(names, opts.high_bits_layers)
         overrides = dict(opts.overrides)
+        widened = {}
         for g in groups:
             # a tied / shared weight is one tensor: widen the whole group by its weight name
-            if any(n in high for n in [g.weight, *(u.node.name for u in g.uses)]):
-                overrides.setdefault(g.weight, {"bits": HIGH_BITS})
-        self.options = replace(opts, overrides=overrides)
-        try:
-            return super().run(model, context)
-        finally:
-            self.options = opts
+            hits = [n for n in [g.weight, *(u.node.name for u in g.uses)] if n in high]
+            if hits and g.weight not in overrides:
+                overrides[g.weight] = {"bits": HIGH_BITS}
+                widened[g.weight] = _why(hits[0], g)
+        p = plan(model, replace(opts, overrides=overrides))
+        user = NameMatcher(list(opts.overrides), what="overrides key")  # the user's patterns come first and win
+        for g in p.groups:
+            if g.weight in widened and not any(user.matches(u.node.name, g.weight) for u in g.uses):
+                p.notes.setdefault(g.weight, widened[g.weight])
+        return p
+
+
+def _why(name: str, group: Any) -> str:
+    tied = any(u.is_gather for u in group.uses) and any(not u.is_gather for u in group.uses)
+    if tied:
+        return (f"q4_k_m: {HIGH_BITS} bits: a tied embedding is llama.cpp's output tensor "
+                "(Q6_K there, Q8_0 when its rows are not a multiple of 256)")
+    if is_head(name):
+        return f"q4_k_m: {HIGH_BITS} bits for the output head (llama.cpp: Q6_K)"
+    return f"q4_k_m: {HIGH_BITS} bits for attn_v / ffn_down of a layer use_more_bits picks (llama.cpp: Q6_K)"

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["HIGH_BITS", "q4_k_m_overrides", "use_more_bits"]
+__all__ = ["HIGH_BITS", "is_head", "q4_k_m_overrides", "use_more_bits"]
 
 HIGH_BITS = 8  # llama.cpp's Q6_K; MatMulNBits takes 4 or 8
 
@@ -88,8 +88,12 @@ def _layer_index(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _is_head(name: str) -> bool:
+def is_head(name: str) -> bool:
+    """Whether ``name`` is the output head (``lm_head``, ``output.weight``, ...)."""
     return name.lstrip("/") == "output.weight" or _HEAD.search(name) is not None
+
+
+_is_head = is_head
 
 
 def q4_k_m_overrides(names: list[str], n_layers: int | None = None) -> dict[str, int]:

@@ -16,22 +16,50 @@ from onnx import helper
 from bitpress.errors import QuantizationError
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.graph import MS_DOMAIN
-from bitpress.onnx.weightonly import Report, WeightOnlyOptions, plan
+from bitpress.onnx.weightonly import Group, Plan, Report, WeightOnlyOptions, plan, planned_report
+from bitpress.onnx.weightonly.report import Estimate
 from bitpress.passes import PassContext
-from bitpress_rtn.bnb4 import BNB4_QUANT_TYPES, quantize_bnb4
+from bitpress_rtn.bnb4 import BNB4_QUANT_TYPES, dequantize_bnb4, quantize_bnb4
 
 log = logging.getLogger(__name__)
 
 
-def quantize_bnb4_model(model: Any, opts: Any, context: PassContext) -> Report:
-    if not isinstance(model, OnnxModel):
-        raise QuantizationError(f"bnb4 quantizes ONNX models, got {model.kind}")
+def bnb4_plan(model: OnnxModel, opts: Any) -> Plan:
+    """The host's plan with bnb4's selection; float16/bfloat16 weights stay as they are."""
     selection = WeightOnlyOptions(
-        bits=4, block_size=opts.block_size, op_types=["MatMul"],
+        bits=4, block_size=opts.block_size, is_symmetric=True, op_types=["MatMul"],  # absmax: no zero points
         nodes_to_include=opts.nodes_to_include, nodes_to_exclude=opts.nodes_to_exclude,
     )
     p = plan(model, selection)
-    report = Report(skipped=dict(p.skipped))
+    inits = model.initializers()
+    kept = []
+    for group in p.groups:
+        if inits[group.weight].data_type != onnx.TensorProto.FLOAT:
+            p.skipped[group.weight] = "MatMulBnb4 runs on float32 models only (ORT CPU); kept as is"
+        else:
+            kept.append(group)
+    p.groups = kept
+    return p
+
+
+def bnb4_estimate(opts: Any) -> Estimate:
+    """MatMulBnb4's cost: 4-bit codes, two per byte, and a float32 absmax per block of the flat weight."""
+
+    def estimate(group: Group, tensor: onnx.TensorProto) -> tuple[int, str, str]:
+        numel = int(np.prod(tensor.dims))
+        return (numel + 1) // 2 + 4 * -(-numel // opts.block_size), "none", f"MatMulBnb4 {opts.precision}"
+
+    return estimate
+
+
+def quantize_bnb4_model(model: Any, opts: Any, context: PassContext, planned: Plan | None = None) -> Report:
+    if not isinstance(model, OnnxModel):
+        raise QuantizationError(f"bnb4 quantizes ONNX models, got {model.kind}")
+    p = planned if planned is not None else bnb4_plan(model, opts)
+    report = planned_report(model, p, bnb4_estimate(opts))
+    report.planned = False
+    for warning in p.unmatched:
+        log.warning("%s: %s", model.source.name, warning)
     inits = model.initializers()
     replace: dict[int, onnx.NodeProto] = {}
     drop: set[int] = set()
@@ -39,10 +67,6 @@ def quantize_bnb4_model(model: Any, opts: Any, context: PassContext) -> Report:
     with context.step(len(p.groups), "quantizing") as advance:
         for group in p.groups:
             tensor = inits[group.weight]
-            if tensor.data_type != onnx.TensorProto.FLOAT:
-                report.skipped[group.weight] = "MatMulBnb4 runs on float32 models only (ORT CPU); kept as is"
-                advance(1)
-                continue
             w = np.asarray(model.array(tensor), dtype=np.float32)
             if group.uses[0].kind == "matmul_t":
                 w = w.T  # B = Transpose(T): the MatMul weight is T^T
@@ -59,6 +83,11 @@ def quantize_bnb4_model(model: Any, opts: Any, context: PassContext) -> Report:
                 if u.transpose is not None:
                     drop.add(id(u.transpose))
             report.quantized += 1
+            report.weights += k * n
+            report.stored_bytes += packed.nbytes + absmax.size * 4  # absmax is written as float32
+            deq = dequantize_bnb4(packed, absmax, k, n, opts.block_size, opts.precision)
+            report.record(group.weight, float(np.linalg.norm(deq - w) / (np.linalg.norm(w) or 1.0)))
+            del deq
             advance(1)
     nodes = []
     for node in model.graph.node:
@@ -71,4 +100,6 @@ def quantize_bnb4_model(model: Any, opts: Any, context: PassContext) -> Report:
     model.graph.node.extend(copies)
     model.graph.initializer.extend(new_inits)
     model.remove_unused_initializers()
+    if not p.groups:
+        log.warning("no weights to quantize in %s: %s", model.source.name, report.summary())
     return report

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from bitpress.onnx.weightonly import WeightOnlyOptions, WeightOnlyPass
+from bitpress.errors import QuantizationError
+from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx.weightonly import Plan, WeightOnlyOptions, WeightOnlyPass
+from bitpress.onnx.weightonly.report import Estimate
 from bitpress.options import option
 from bitpress.passes import PassContext
 from bitpress.quant.solver import BlockSolver, PackingKernel, check_block_size
@@ -61,9 +64,21 @@ class Bnb4Pass(WeightOnlyPass):
     Options: ClassVar[type] = Bnb4Options
     aliases: ClassVar[tuple[str, ...]] = ("OnnxBnb4Quantization",)
 
+    def weight_plan(self, model: Any) -> Plan:
+        from bitpress_rtn.bnb4_writer import bnb4_plan
+
+        return bnb4_plan(model, self.options)
+
+    def estimate(self) -> Estimate:
+        from bitpress_rtn.bnb4_writer import bnb4_estimate
+
+        return bnb4_estimate(self.options)
+
     def run(self, model: Any, context: PassContext) -> Any:
         from bitpress_rtn.bnb4_writer import quantize_bnb4_model
 
-        report = quantize_bnb4_model(model, self.options, context)
+        if not isinstance(model, OnnxModel):
+            raise QuantizationError(f"bnb4 quantizes ONNX models, got {model.kind}")
+        report = quantize_bnb4_model(model, self.options, context, self.weight_plan(model))
         context.extras.setdefault("reports", []).append((self.name, model.source, report))
         return model

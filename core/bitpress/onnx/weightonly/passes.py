@@ -1,0 +1,172 @@
+"""The weight-only pass: plan, solve in parallel, write; and its report."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from bitpress.errors import QuantizationError
+from bitpress.memory import trim_heap
+from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx.weightonly.planning import Group, Plan, WeightOnlyOptions, plan
+from bitpress.onnx.weightonly.report import Estimate, Report, nbits_estimate, planned_report
+from bitpress.onnx.weightonly.solving import Result, solve_group
+from bitpress.onnx.weightonly.writing import Writer
+from bitpress.passes import Pass, PassContext
+from bitpress.quant.solver import BlockSolver, PackingKernel
+
+log = logging.getLogger("bitpress.onnx.weightonly")
+
+
+def quantize_weights(
+    model: OnnxModel, opts: WeightOnlyOptions, solver: BlockSolver, context: PassContext, *,
+    float_zero_points: bool = False, importance: dict[str, np.ndarray] | None = None,
+    kernel: PackingKernel | None = None, planned: Plan | None = None,
+) -> Report:
+    """Quantize every planned weight of ``model`` in place; tensors are solved in parallel.
+
+    ``kernel``: the solver's optional packing fast path (see :class:`PackingKernel`).
+    ``planned``: the plan to carry out (default: :func:`plan` of ``opts``), the one ``--plan`` shows.
+    The report holds one row per candidate weight, with what the run measured.
+    """
+    p = planned if planned is not None else plan(model, opts)
+    report = planned_report(model, p, nbits_estimate(float_zero_points))
+    log_plan(report, p, model)
+    report.planned = False
+    if not p.groups:
+        log.warning("no weights to quantize in %s: %s", model.source.name, report.summary())
+        return report
+    writer = Writer(model, opts.accuracy_level)
+    jobs = max(1, int(context.jobs))
+
+    def work(group: Group) -> Result:
+        imp = None
+        if importance is not None:
+            imp = importance.get(group.weight)
+        return solve_group(model, group, solver, float_zero_points, imp, kernel)
+
+    # bounded in-flight work: at most ``jobs + 1`` tensors solved but not yet written
+    with context.step(len(p.groups), "quantizing") as advance, ThreadPoolExecutor(jobs) as pool:
+        pending: set[Future[Result]] = set()
+        todo = iter(sorted(p.groups, key=lambda g: -_numel(model, g)))
+        done_all = False
+        while pending or not done_all:
+            while not done_all and len(pending) < jobs + 1:
+                group = next(todo, None)
+                if group is None:
+                    done_all = True
+                    break
+                pending.add(pool.submit(work, group))
+            if not pending:
+                break
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                res = fut.result()
+                writer.write(res)  # protobuf edits stay on this thread
+                report.quantized += 1
+                report.weights += res.packed.shape[0] * res.k
+                report.record(res.group.weight, res.error)
+                advance(1)
+                del res
+            del finished, fut  # the futures hold the results: drop them before trimming
+            trim_heap()
+    writer.finish()
+    report.stored_bytes = writer.stored_bytes
+    return report
+
+
+def log_plan(report: Report, p: Plan, model: OnnxModel) -> None:
+    """The plan's warnings (patterns matching nothing), decisions (at -v) and its expected cost."""
+    for warning in p.unmatched:
+        log.warning("%s: %s", model.source.name, warning)
+    for what, why in p.skipped.items():
+        log.info("not quantized: %s: %s", what, why)
+    for what, why in p.notes.items():
+        log.info("%s: %s", what, why)
+    if p.groups:
+        log.info("plan for %s: %s", model.source.name, report.summary())
+
+
+def _numel(model: OnnxModel, group: Group) -> int:
+    t = model.initializers()[group.weight]
+    return int(np.prod(t.dims))
+
+
+class WeightOnlyPass(Pass):
+    """Base of the native weight-only passes: subclasses provide :meth:`solver`.
+
+    ``float_zero_points``: whether the algorithm's optimum is a float offset (HQQ, k-quant).
+    Subclasses may extend :class:`WeightOnlyOptions` with their own fields.
+    """
+
+    model_kinds: ClassVar[tuple[str, ...]] = ("onnx",)
+    precisions: ClassVar[tuple[str, ...]] = ("int4", "int8")
+    Options: ClassVar[type] = WeightOnlyOptions
+    #: the solver weights its error by activation statistics when calibration data is given
+    uses_importance: ClassVar[bool] = False
+
+    def solver(self) -> BlockSolver:
+        raise NotImplementedError
+
+    def packing_kernel(self) -> PackingKernel | None:
+        """An optional fused quantize-and-pack kernel giving exactly the solver's answer, faster."""
+        return None
+
+    def weight_plan(self, model: OnnxModel) -> Plan:
+        """What this pass will quantize, and how: the plan the run carries out and ``--plan`` shows.
+
+        Presets that pick settings per weight (``q4_k_m``) override this, never :meth:`run`, so
+        the dry run and the real one cannot disagree.
+        """
+        return plan(model, self.options)
+
+    def estimate(self) -> Estimate:
+        """The cost of each planned weight's layout (bytes, zero-point kind, ops written)."""
+        return nbits_estimate(self.float_zero_points())
+
+    def plan_report(self, model: OnnxModel) -> Report:
+        """A dry run: the per-weight table of what :meth:`run` would do; reads no weight data."""
+        if not isinstance(model, OnnxModel):
+            raise QuantizationError(f"{self.name} quantizes ONNX models, got {model.kind}")
+        p = self.weight_plan(model)
+        report = planned_report(model, p, self.estimate())
+        for warning in p.unmatched:
+            log.warning("%s: %s", model.source.name, warning)
+        return report
+
+    def _importance(self, model: OnnxModel, context: PassContext, p: Plan | None = None) -> dict[str, np.ndarray]:
+        from bitpress.data import DataConfig, iter_feeds
+        from bitpress.onnx.activations import channel_importance
+
+        p = p if p is not None else self.weight_plan(model)
+        readers = {g.weight: [u.node.input[0] for u in g.uses if not u.is_gather] for g in p.groups}
+        readers = {w: acts for w, acts in readers.items() if acts}
+        feeds = iter_feeds(model.proto, DataConfig.from_value(context.data), model.source.parent,
+                           root=getattr(model, "package_root", None))
+        if context.workdir is not None:
+            return channel_importance(model, readers, feeds, context.workdir)
+        with tempfile.TemporaryDirectory(prefix="bitpress-calibration-") as tmp:
+            return channel_importance(model, readers, feeds, Path(tmp))
+
+    def float_zero_points(self) -> bool:
+        return bool(getattr(self.options, "float_zero_points", False))
+
+    def run(self, model: Any, context: PassContext) -> Any:
+        if not isinstance(model, OnnxModel):
+            raise QuantizationError(f"{self.name} quantizes ONNX models, got {model.kind}")
+        p = self.weight_plan(model)
+        importance = None
+        if self.uses_importance and context.data is not None:
+            importance = self._importance(model, context, p)
+        report = quantize_weights(
+            model, self.options, self.solver(), context, float_zero_points=self.float_zero_points(),
+            importance=importance, kernel=self.packing_kernel(), planned=p,
+        )
+        context.extras.setdefault("reports", []).append((self.name, model.source, report))
+        log.info("%s: %s", self.name, report.summary())
+        return model

@@ -1,0 +1,155 @@
+"""Solving one planned weight: the plugin's block solver (or packing kernel) chunk by chunk, and its error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from bitpress.errors import QuantizationError
+from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx import layout
+from bitpress.onnx.tensors import np_dtype
+from bitpress.onnx.weightonly.planning import Group, zero_point_kind
+from bitpress.onnx.weightonly.reading import Chunk, iter_chunks
+from bitpress.quant.solver import (
+    BlockSolver,
+    BlockSpec,
+    PackedBlocks,
+    PackingKernel,
+    QuantizedBlocks,
+    dequantize,
+)
+
+
+@dataclass
+class Result:
+    """What a solver produced for one group, ready to be written."""
+
+    group: Group
+    blocks: QuantizedBlocks  # q is left empty: ``packed`` holds the integers
+    packed: np.ndarray  # uint8 [rows, n_blocks, block_size * bits / 8] (pack_along_last)
+    k: int  # true reduction length (before padding)
+    dtype: np.dtype  # the weight's float type (scales use it)
+    error: float  # relative Frobenius error of the dequantized weight
+
+
+#: When a packing kernel solved a weight of many rows, its error is measured on every
+#: ``ERROR_SAMPLE_STEP``-th row only, keeping at least ``ERROR_SAMPLE_MIN_ROWS`` rows: unpacking
+#: every integer again costs a fifth of a whole RTN run. Weights under twice that many rows are
+#: measured exactly. (A sample of >= 1024 rows puts the estimate within about 1% of the exact one.)
+ERROR_SAMPLE_STEP = 8
+ERROR_SAMPLE_MIN_ROWS = 1024
+
+
+@dataclass
+class _ErrorSum:
+    num: float = 0.0
+    den: float = 0.0
+
+    def add(self, deq: np.ndarray, w: np.ndarray, k_valid: int) -> None:
+        """Accumulate ``|deq - w|^2`` and ``|w|^2``; ``deq`` (``[rows, blocks, block]``, overwritten)
+        and ``w`` (``[rows, K_padded]``) are the same rows."""
+        deq = deq.reshape(w.shape)
+        deq -= w
+        if k_valid != w.shape[1]:  # the zero padding of the last block is not part of the weight
+            deq, w = deq[:, :k_valid], w[:, :k_valid]
+        d, x = deq.ravel(), w.ravel()
+        self.num += float(np.dot(d, d))
+        self.den += float(np.dot(x, x))
+
+    @property
+    def relative(self) -> float:
+        return (self.num / self.den) ** 0.5 if self.den else 0.0
+
+
+def solve_group(
+    model: OnnxModel, group: Group, solver: BlockSolver, float_zero_points: bool,
+    importance: np.ndarray | None = None, kernel: PackingKernel | None = None,
+) -> Result:
+    tensor = model.initializers()[group.weight]
+    dtype = np_dtype(tensor)
+    a, b = (int(d) for d in tensor.dims)
+    by_rows = group.uses[0].rows_are_table_rows
+    rows, k = (a, b) if by_rows else (b, a)
+    bs = group.block_size
+    n_blocks = -(-k // bs)
+    # float offsets exist only for 4-bit MatMulNBits: not for Gather, nor for 8 bits on CPU
+    use_float_zp = zero_point_kind(group, float_zero_points) == "float"
+    spec = BlockSpec(group.bits, bs, group.symmetric, use_float_zp)
+    # packed chunk by chunk: the result holds bits/8 bytes per weight, not one
+    packed = np.empty((rows, n_blocks, bs * group.bits // 8), np.uint8)
+    scales = np.empty((rows, n_blocks), np.float32)
+    zps = None if group.symmetric else np.empty((rows, n_blocks), np.float32 if use_float_zp else np.uint8)
+    err = _ErrorSum()
+    if importance is not None and importance.shape[0] != k:
+        importance = None
+    imp = None if importance is None else np.pad(importance.astype(np.float32), (0, n_blocks * bs - k))
+    if imp is not None:
+        kernel = None  # a packing kernel knows no activation statistics
+    step = max(1, min(ERROR_SAMPLE_STEP, rows // ERROR_SAMPLE_MIN_ROWS))
+    for c in iter_chunks(model, group):
+        fast = _run_kernel(kernel, c, spec, group.weight) if kernel is not None else None
+        if fast is not None:
+            packed[c.rows, c.blocks] = fast.packed
+            scales[c.rows, c.blocks] = fast.scales
+            if zps is not None:
+                zps[c.rows, c.blocks] = fast.zero_points
+            # the error on every step-th row (all rows of a small weight)
+            sample = QuantizedBlocks(
+                layout.unpack_along_last(fast.packed[::step], spec.bits, bs), fast.scales[::step],
+                None if fast.zero_points is None else fast.zero_points[::step],
+            )
+            err.add(dequantize(sample, spec.bits), c.sample_rows(step), c.k_valid)
+            del fast, sample
+            continue
+        w3 = c.w
+        imp_c = None if imp is None else imp[c.blocks.start * bs : c.blocks.stop * bs]
+        try:
+            out = solver(w3, spec, imp_c)
+        except ValueError as exc:  # solvers refuse what they cannot quantize (NaN weights, ...)
+            raise QuantizationError(f"weight {group.weight}: {exc}") from None
+        _check_solver_output(out, w3.shape, spec, group.weight)
+        # NaN / inf weights make every solver's scales non-finite: one check on the small array
+        if not np.isfinite(out.scales).all():
+            raise QuantizationError(f"weight {group.weight} holds NaN or infinite values; cannot quantize it")
+        packed[c.rows, c.blocks] = layout.pack_along_last(out.q, group.bits)
+        scales[c.rows, c.blocks] = out.scales
+        if zps is not None:
+            if out.zero_points is None:
+                raise QuantizationError(f"solver returned no zero points for asymmetric {group.weight}")
+            zps[c.rows, c.blocks] = out.zero_points
+        nrows = w3.shape[0]
+        err.add(dequantize(out, spec.bits), w3.reshape(nrows, -1), c.k_valid)
+        del out, w3
+    blocks = QuantizedBlocks(np.empty((rows, n_blocks, 0), np.uint8), scales, zps)
+    return Result(group, blocks, packed, k, dtype, err.relative)
+
+
+def _run_kernel(kernel: PackingKernel, c: Chunk, spec: BlockSpec, name: str) -> PackedBlocks | None:
+    # A sum is finite only when every element is (NaN and inf propagate): one cheap pass. The
+    # kernels' min/max would not reliably turn NaN into a non-finite scale.
+    with np.errstate(over="ignore", invalid="ignore"):  # a huge finite sum falls back to the exact test
+        total = np.add.reduce(c.data, axis=None)
+    if not np.isfinite(total) and not np.isfinite(c.data).all():
+        raise QuantizationError(f"weight {name} holds NaN or infinite values; cannot quantize it")
+    out = kernel(c.kn(), spec)
+    if out is None:
+        return None
+    n_rows = c.rows.stop - c.rows.start
+    shape = (n_rows, c.blocks.stop - c.blocks.start)
+    if out.packed.dtype != np.uint8 or out.packed.shape != (*shape, spec.block_size * spec.bits // 8) or (
+        out.scales.shape != shape or (out.zero_points is None) != spec.symmetric
+    ):
+        raise QuantizationError(f"the packing kernel returned unexpected shapes for {name}")
+    return out
+
+
+def _check_solver_output(out: QuantizedBlocks, shape: tuple[int, ...], spec: BlockSpec, name: str) -> None:
+    if out.q.shape != shape or out.scales.shape != shape[:2]:
+        raise QuantizationError(
+            f"the block solver returned shapes q{out.q.shape} scales{out.scales.shape} for {name}, "
+            f"expected q{shape} scales{shape[:2]}"
+        )
+    if out.q.dtype != np.uint8 or (out.q.size and int(out.q.max()) >= 2**spec.bits):
+        raise QuantizationError(f"the block solver returned integers outside [0, 2**{spec.bits}) for {name}")
