@@ -335,7 +335,8 @@ def test_option_coercion(values: dict[str, Any], expected: dict[str, Any]) -> No
         ({"table": "[1]"}, "expected a mapping"),
         ({"limit": "lots"}, "not a valid int | None"),
         ({"count": "-1"}, "toy: count must be >= 0"),
-        ({"cout": 1, "zzz": 2}, "toy: unknown option(s) cout, zzz; valid options: bits, count, flag, label, limit"),
+        ({"cout": 1, "zzz": 2},
+         "toy: unknown option(s) cout (did you mean count?), zzz; valid options: bits, count, flag, label, limit"),
     ],
 )
 def test_option_errors(values: dict[str, Any], message: str) -> None:

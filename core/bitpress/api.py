@@ -6,11 +6,13 @@ from pathlib import Path
 from typing import Any
 
 from bitpress.data import DataConfig
+from bitpress.errors import OutputError
 from bitpress.evaluate import EvalResult  # also makes `bitpress.evaluate(...)` callable after `import bitpress`
 from bitpress.models.base import ModelHandle
 from bitpress.onnx.save import SaveOptions
+from bitpress.options import as_dict
 from bitpress.passes import Pass
-from bitpress.plugins import Registry, get_registry
+from bitpress.plugins import Registry, canonical_precision, get_registry
 from bitpress.workflow import (
     PassStep,
     RunResult,
@@ -44,16 +46,25 @@ def quantize(
     progress: Any = None,
     registry: Registry | None = None,
     env_timeout: float | None = None,
+    save_config: str | Path | None = None,
 ) -> RunResult:
     """Quantize ``model`` with the pass that provides ``algorithm`` at ``precision``.
 
+    The CLI's ``quantize`` flags, by name: ``jobs`` (``--jobs``), ``overwrite`` (``--overwrite``),
+    ``external_data`` (``--external-data`` True / ``--single-file`` False), ``max_shard_size``
+    (bytes), ``check=False`` (``--no-check``), ``components``, ``save_config``.
+    ``algorithm`` and ``precision`` are case-insensitive.
     ``data``: calibration data for passes that use it (a :class:`bitpress.data.DataConfig`, a
     source string such as ``"random"`` / ``"calib.npz"`` / ``"text.txt"``, or a mapping).
     ``env_timeout``: seconds after which a pass running in a plugin environment is killed.
+    ``save_config``: also write the equivalent workflow config there (YAML, or JSON for a
+    ``.json`` name), paths relative to its folder: ``bitpress.run(save_config)`` repeats the run.
+    It is written once the run succeeded; an existing file is replaced only with ``overwrite``.
     """
     registry = registry or get_registry()
     model_path = Path(model)
     cls = _select(registry, algorithm, precision, model_path)
+    precision = canonical_precision(cls, precision)
     step = PassStep(cls.from_config(options or {}, precision), f"{algorithm}/{precision or '-'}")
     if env_timeout is not None:
         from bitpress.envs.remote import parse_timeout
@@ -65,7 +76,131 @@ def quantize(
         save=SaveOptions(external_data=external_data, max_shard_size=max_shard_size, check=check),
         data=None if data is None else DataConfig.from_value(data),
     )
-    return run_workflow(wf, registry, progress=progress)
+    config_path = None if save_config is None else Path(save_config)
+    if config_path is not None:
+        if config_path.exists() and not overwrite:
+            raise OutputError(
+                f"the config {config_path} already exists; remove it or pass --overwrite (overwrite=True from Python)"
+            )
+        if config_path.is_dir():
+            raise OutputError(f"--save-config {config_path} is a folder; give a .yaml or .json file name")
+        config = workflow_config(wf, config_path.parent, [precision], env_timeout=env_timeout)
+    result = run_workflow(wf, registry, progress=progress)
+    if config_path is not None:
+        write_config(config, config_path)
+    return result
+
+
+def workflow_config(
+    wf: Workflow, folder: str | Path, precisions: list[str | None] | None = None, *, env_timeout: float | None = None,
+) -> dict[str, Any]:
+    """The workflow config (a mapping) that builds ``wf`` again, for a file in ``folder``.
+
+    Paths are relative to ``folder`` (as :func:`bitpress.workflow.load_config` reads them);
+    each pass is written by name with its precision and the options that differ from the
+    pass's defaults (not those the precision implies).
+    """
+    folder = Path(folder).resolve()
+    precisions = list(precisions or [])
+    passes = []
+    for i, step in enumerate(wf.steps):
+        pass_ = step.pass_
+        precision = precisions[i] if i < len(precisions) else None
+        entry: dict[str, Any] = {"type": pass_.name}
+        if precision is not None:
+            entry["precision"] = precision
+        entry.update(_changed_options(pass_, precision))
+        passes.append(entry)
+    config: dict[str, Any] = {
+        "input": _relative(wf.input, folder),
+        "output": _relative(wf.output, folder),
+        "passes": passes,
+    }
+    if wf.components:
+        config["components"] = list(wf.components)
+    if wf.jobs:
+        config["jobs"] = int(wf.jobs)
+    if wf.data is not None:
+        data = DataConfig.from_value(wf.data)
+        defaults = DataConfig()
+        entry = {"source": data.source if data.source == "random" else _relative(data.source, folder)}
+        for key in ("samples", "seq_len", "batch", "seed"):
+            if getattr(data, key) != getattr(defaults, key):
+                entry[key] = getattr(data, key)
+        if data.tokenizer:
+            entry["tokenizer"] = _relative(data.tokenizer, folder)
+        config["data"] = entry
+    config["save"] = {"external_data": wf.save.external_data, "max_shard_size": wf.save.max_shard_size,
+                      "check": wf.save.check}
+    if env_timeout is not None:
+        config["env_timeout"] = env_timeout
+    return config
+
+
+def write_config(config: dict[str, Any], path: str | Path) -> Path:
+    """Write a workflow config: JSON for a ``.json`` name, else YAML; atomically."""
+    import json
+    import os
+
+    import yaml
+
+    path = Path(path)
+    if path.suffix.lower() == ".json":
+        text = json.dumps(config, indent=2) + "\n"
+    else:
+        text = "# written by bitpress quantize --save-config; run it with: bitpress run " + path.name + "\n"
+        text += yaml.safe_dump(config, sort_keys=False, default_flow_style=None)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write the config {path}: {exc.strerror or exc}") from None
+    return path
+
+
+def _relative(path: str | Path, folder: Path) -> str:
+    import os
+
+    target = Path(path).resolve()
+    try:
+        return Path(os.path.relpath(target, folder)).as_posix()
+    except ValueError:  # another drive (Windows): absolute
+        return str(target)
+
+
+def _changed_options(pass_: Pass, precision: str | None) -> dict[str, Any]:
+    """The options of ``pass_`` that differ from its defaults, as plain YAML/JSON values."""
+    from bitpress.envs.remote import EnvPass
+
+    if isinstance(pass_, EnvPass):  # option types are known only in the environment: as given
+        return {k: _plain(v) for k, v in pass_.given.items()}
+    try:
+        current, defaults = as_dict(pass_.options), as_dict(type(pass_.options)())
+    except TypeError:
+        return {}
+    implied = type(pass_).precision_options(precision) if precision is not None else {}
+    out = {}
+    for key, value in current.items():
+        if key in implied and implied[key] == value:
+            continue
+        if key not in defaults or defaults[key] != value:
+            out[key] = _plain(value)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
 
 
 def _select(registry: Registry, algorithm: str, precision: str | None, path: Path) -> type[Pass]:
@@ -73,11 +208,41 @@ def _select(registry: Registry, algorithm: str, precision: str | None, path: Pat
     return registry.select(algorithm, precision, input_kind(registry, path))
 
 
-def run(config: dict[str, Any] | str | Path, *, progress: Any = None,
-        registry: Registry | None = None) -> RunResult:
-    """Run a workflow config (a mapping, or a JSON/YAML file)."""
-    if not isinstance(config, dict):
-        config = load_config(Path(config))
+def run(
+    config: dict[str, Any] | str | Path,
+    *,
+    overwrite: bool | None = None,
+    jobs: int | None = None,
+    external_data: bool | None = None,
+    max_shard_size: int | None = None,
+    check: bool | None = None,
+    data: Any = None,
+    env_timeout: float | None = None,
+    progress: Any = None,
+    registry: Registry | None = None,
+) -> RunResult:
+    """Run a workflow config (a mapping, or a JSON/YAML file).
+
+    The keyword arguments are the CLI's ``run`` flags and override the config's settings when
+    given (``None``: as the config says): ``overwrite`` (``--overwrite``), ``jobs``,
+    ``external_data`` (True ``--external-data``, False ``--single-file``), ``max_shard_size``
+    (bytes), ``check=False`` (``--no-check``), ``data``, ``env_timeout``.
+    """
+    config = dict(config) if isinstance(config, dict) else load_config(Path(config))
+    if overwrite is not None:
+        config["overwrite"] = overwrite
+    if jobs:
+        config["jobs"] = jobs
+    save = dict(config.get("save") or {})
+    for key, value in (("external_data", external_data), ("max_shard_size", max_shard_size), ("check", check)):
+        if value is not None:
+            save[key] = value
+    if save:
+        config["save"] = save
+    if data is not None:
+        config["data"] = data
+    if env_timeout is not None:
+        config["env_timeout"] = env_timeout
     wf = build_workflow(config, registry)
     return run_workflow(wf, registry, progress=progress)
 
@@ -94,9 +259,10 @@ def evaluate(
     text: str | Path | None = None,
     tokenizer: str | Path | None = None,
     max_windows: int | None = None,
-    threads: int = 1,
+    jobs: int | None = None,
     weights: bool = True,
     progress: Any = None,
+    threads: int | None = None,
 ) -> EvalResult:
     """Compare ``quantized`` with its float ``reference`` (.onnx files or GenAI folders) in ONNX Runtime.
 
@@ -105,12 +271,17 @@ def evaluate(
     ``batch`` x ``seq_len``. ``text``: a text file for the perplexity of both models (windows of
     ``seq_len`` tokens, at most ``max_windows``; tokenizer.json beside a model or ``tokenizer``);
     without ``data`` the outputs are compared on those windows too. ``weights``: also the SQNR of
-    every quantized weight against the reference's. ``threads``: ONNX Runtime intra-op threads.
-    ``EvalResult.to_json()`` / ``write_html(path)`` give the reports.
+    every quantized weight against the reference's. ``jobs``: ONNX Runtime intra-op threads
+    (default 1; ``threads`` is its old name, still accepted). ``EvalResult.to_json()`` /
+    ``write_html(path)`` give the reports.
     """
+    from bitpress.errors import UsageError
     from bitpress.evaluate.runner import run_evaluation
 
+    if jobs is not None and threads is not None and jobs != threads:
+        raise UsageError(f"give jobs= or its old name threads=, not both (jobs={jobs}, threads={threads})")
+    n = jobs if jobs is not None else (threads if threads is not None else 1)
     return run_evaluation(
         quantized, reference, data=data, samples=samples, seq_len=seq_len, batch=batch, seed=seed, text=text,
-        tokenizer=tokenizer, max_windows=max_windows, threads=threads, weights=weights, progress=progress,
+        tokenizer=tokenizer, max_windows=max_windows, threads=n, weights=weights, progress=progress,
     )

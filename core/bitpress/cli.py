@@ -25,6 +25,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
+    if args.json and not getattr(args, "json_output", False):
+        command = " ".join(str(getattr(args, k)) for k in vars(args) if k.endswith("command") and getattr(args, k))
+        print(f"bitpress: error: `bitpress {command}` has no JSON output (--json)", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return int(args.func(args) or 0)
     except BitpressError as exc:
@@ -43,10 +47,39 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # -- argument parsing -----------------------------------------------------------------------------
+#: flags of the whole command line, accepted before and after the (sub)command's name
+_GLOBAL_FLAGS = ("-v", "--verbose", "--json")
+
+
+class _Parser(argparse.ArgumentParser):
+    """The parser of ``bitpress`` and, through ``add_subparsers``, of every (nested) subcommand.
+
+    Every subcommand accepts ``-v/--verbose`` after its name (``bitpress quantize ... -v``,
+    ``bitpress passes list -v``); a subcommand that prints JSON declares ``--json`` itself.
+    In subcommands both default to ``argparse.SUPPRESS``, so a flag given before the
+    subcommand (``bitpress -v passes list``) is not overwritten by the subcommand's default.
+    """
+
+    def __init__(self, *args: Any, root: bool = False, **kwargs: Any) -> None:
+        self._root = root  # set first: the base class adds -h through add_argument
+        super().__init__(*args, **kwargs)
+        self.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
+        if root:
+            self.add_argument("--json", action="store_true",
+                              help="print the result as JSON (commands that have a JSON output)")
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        if not self._root and any(a in _GLOBAL_FLAGS for a in args):
+            kwargs["default"] = argparse.SUPPRESS
+            if "--json" in args:
+                self.set_defaults(json_output=True)  # checked in main(): `bitpress --json demo` is refused
+                kwargs.setdefault("help", "print the result as JSON")
+        return super().add_argument(*args, **kwargs)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bitpress", description="Quantize models with pluggable backends.")
+    p = _Parser(prog="bitpress", description="Quantize models with pluggable backends.", root=True)
     p.add_argument("--version", action="version", version=f"bitpress {__version__}")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
     sub = p.add_subparsers(dest="command")
 
     passes = sub.add_parser("passes", help="list or describe the installed passes")
@@ -58,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     ps.add_argument("name")
     ps.add_argument("--json", action="store_true")
     ps.set_defaults(func=_cmd_passes_show)
-    passes.set_defaults(func=_cmd_passes_list, json=False)
+    passes.add_argument("--json", action="store_true")
+    passes.set_defaults(func=_cmd_passes_list)
 
     env = sub.add_parser("env", help="virtual environments of their own for plugins (conflicting toolkits)")
     esub = env.add_subparsers(dest="env_command")
@@ -75,11 +109,27 @@ def _parser() -> argparse.ArgumentParser:
     er = esub.add_parser("remove", help="delete the environment of a plugin")
     er.add_argument("plugin")
     er.set_defaults(func=_cmd_env_remove)
-    env.set_defaults(func=_cmd_env_list, json=False)
+    eroot = esub.add_parser("root", help="where the environments live; record a folder for this Python environment")
+    eroot.add_argument("path", nargs="?", type=Path,
+                       help="record this folder as the environments' root of the running Python environment")
+    eroot.add_argument("--unset", action="store_true", help="remove the recorded root (back to the default)")
+    eroot.add_argument("--json", action="store_true")
+    eroot.set_defaults(func=_cmd_env_root)
+    env.add_argument("--json", action="store_true")
+    env.set_defaults(func=_cmd_env_list)
 
     pg = sub.add_parser("plugins", help="installed plugins, versions, broken ones")
     pg.add_argument("--json", action="store_true")
     pg.set_defaults(func=_cmd_plugins)
+
+    plugin = sub.add_parser("plugin", help="tools for plugin authors: `plugin new NAME` starts a plugin")
+    plsub = plugin.add_subparsers(dest="plugin_command")
+    pn = plsub.add_parser("new", help="write a working weight-only plugin package (pyproject, pass, README, test)")
+    pn.add_argument("name", help="the plugin's name: a lowercase identifier (module bitpress_NAME, pass NAME)")
+    pn.add_argument("--dir", type=Path, metavar="PATH",
+                    help="the folder to create (default: ./bitpress-NAME); must not exist or be empty")
+    pn.set_defaults(func=_cmd_plugin_new)
+    plugin.set_defaults(func=lambda args: plugin.print_help() or EXIT_USAGE)
 
     q = sub.add_parser("quantize", help="quantize a model with one pass")
     q.add_argument("-m", "--model", required=True, type=Path, help=".onnx file or ONNX folder")
@@ -91,6 +141,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="a pass option; repeatable (see `passes show NAME`)")
     _add_run_args(q)
     q.add_argument("--components", nargs="+", help="sub-models of a folder to quantize (default: decoder)")
+    q.add_argument("--save-config", type=Path, metavar="FILE",
+                   help="also write the equivalent workflow config (YAML, or JSON for a .json name): "
+                        "`bitpress run FILE` repeats the run")
     q.set_defaults(func=_cmd_quantize)
 
     r = sub.add_parser("run", help="run a workflow config (JSON or YAML)")
@@ -115,7 +168,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--text", type=Path, help="text file: perplexity of both models on it (needs a tokenizer)")
     ev.add_argument("--tokenizer", help="tokenizer.json or its folder (default: the models' folders)")
     ev.add_argument("--max-windows", type=int, help="perplexity on at most this many windows (default: all)")
-    ev.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (default 1)")
+    ev.add_argument("--jobs", type=int, default=1, help="ONNX Runtime intra-op threads (default 1)")
+    ev.add_argument("--threads", dest="jobs", type=int, action=_Deprecated, replacement="--jobs",
+                    help=argparse.SUPPRESS)  # the old name, still accepted
     ev.add_argument("--no-weights", action="store_true", help="skip the per-tensor weight error (SQNR)")
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
     ev.add_argument("--html", type=Path, metavar="REPORT.html", help="also write a self-contained HTML report")
@@ -126,6 +181,19 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--preset", default="demo")
     d.set_defaults(func=_cmd_demo)
     return p
+
+
+class _Deprecated(argparse.Action):
+    """An old option name that still works: stores like its replacement and says so on stderr."""
+
+    def __init__(self, *args: Any, replacement: str, **kwargs: Any) -> None:
+        self.replacement = replacement
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"bitpress: warning: {option_string} is deprecated; use {self.replacement}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -140,6 +208,11 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check", action="store_true",
                    help="skip the ONNX checker and ONNX Runtime load after saving")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--plan", action="store_true",
+                   help="dry run: what would happen to every weight (bits, block size, ties, skips and why, "
+                        "expected bits per weight); nothing is written")
+    p.add_argument("--show-weights", action="store_true",
+                   help="after the run, print the per-weight table with each weight's measured error")
     p.add_argument("--env-timeout", type=float, metavar="SECONDS",
                    help="kill a pass running in a plugin environment after this long (default: none)")
     d = p.add_argument_group("calibration data (passes that need or use it)")
@@ -226,11 +299,7 @@ def _cmd_passes_show(args: argparse.Namespace) -> int:
     from bitpress.options import OptionInfo
 
     reg = _registry()
-    cls = reg.passes.get(args.name)
-    if cls is None:
-        from bitpress.errors import PassNotFoundError
-
-        raise PassNotFoundError(f"no pass named {args.name!r}; see `bitpress passes list`")
+    cls = reg.pass_named(args.name)  # any case; "did you mean ...?" when there is none
     runs = where(cls)
     entry = getattr(cls, "manifest_entry", None)
     if runs != "here" and entry:
@@ -260,6 +329,24 @@ def _cmd_passes_show(args: argparse.Namespace) -> int:
     table = [["NAME", "TYPE", "DEFAULT", "HELP"]]
     table += [[o.name, o.type, json.dumps(o.default, default=str), o.help] for o in opts]
     _print_table(table, indent="  ")
+    return EXIT_OK
+
+
+def _cmd_plugin_new(args: argparse.Namespace) -> int:
+    from bitpress.scaffold import check_plugin_name, new_plugin
+
+    name = check_plugin_name(args.name)
+    reg = _registry()
+    clash = [what for what, taken in (("plugin", reg.plugins), ("pass", reg.passes)) if name in taken]
+    if clash:
+        print(f"bitpress: warning: {name!r} already names an installed {' and '.join(clash)}; with both "
+              "installed, the one loaded second is broken", file=sys.stderr)
+    made = new_plugin(name, args.dir)
+    print(f"created plugin {name} (distribution bitpress-{name}) in {made.path}")
+    for f in made.files:
+        print(f"  {f.relative_to(made.path)}")
+    print(f"next: pip install -e \"{made.path}[test]\" && python -m pytest -q {made.path}; "
+          f"then bitpress passes show {name}")
     return EXIT_OK
 
 
@@ -294,40 +381,47 @@ def _parse_kv(items: list[str]) -> dict[str, str]:
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from bitpress.api import quantize
 
+    if args.plan:
+        from bitpress.dry_run import plan_quantize
+
+        return _show_plan(plan_quantize(args.model, algorithm=args.algorithm, precision=args.precision,
+                                        options=_parse_kv(args.option), components=args.components), args.json)
     result = quantize(
         args.model, args.output, algorithm=args.algorithm, precision=args.precision,
         options=_parse_kv(args.option), components=args.components, jobs=args.jobs,
         overwrite=args.overwrite, external_data=args.external_data,
         max_shard_size=args.max_shard_size, check=not args.no_check, data=_data(args), progress=_progress,
-        env_timeout=args.env_timeout,
+        env_timeout=args.env_timeout, save_config=args.save_config,
     )
-    _report(result, args.json)
+    _report(result, args.json, args.show_weights)
     return EXIT_OK
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from bitpress.api import run
-    from bitpress.workflow import load_config
 
-    config = load_config(args.config)
-    if args.overwrite:
-        config["overwrite"] = True
-    if args.jobs:
-        config["jobs"] = args.jobs
-    save = dict(config.get("save") or {})
-    if args.external_data is not None:
-        save["external_data"] = args.external_data
-    if args.max_shard_size:
-        save["max_shard_size"] = args.max_shard_size
-    if args.no_check:
-        save["check"] = False
-    if save:
-        config["save"] = save
-    if args.data:
-        config["data"] = _data(args)
-    if args.env_timeout is not None:
-        config["env_timeout"] = args.env_timeout
-    _report(run(config, progress=_progress), args.json)
+    if args.plan:
+        from bitpress.dry_run import plan_run
+
+        return _show_plan(plan_run(args.config), args.json)
+    # the flags override the config's settings; those not given leave them as the config says
+    result = run(
+        args.config, overwrite=True if args.overwrite else None, jobs=args.jobs, external_data=args.external_data,
+        max_shard_size=args.max_shard_size, check=False if args.no_check else None, data=_data(args),
+        env_timeout=args.env_timeout, progress=_progress,
+    )
+    _report(result, args.json, args.show_weights)
+    return EXIT_OK
+
+
+def _show_plan(result: Any, as_json: bool) -> int:
+    from bitpress.dry_run import plan_lines
+
+    if as_json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        for line in plan_lines(result):
+            print(line)
     return EXIT_OK
 
 
@@ -337,19 +431,33 @@ def _data(args: argparse.Namespace) -> dict[str, Any] | None:
     return {"source": args.data, "samples": args.samples, "seq_len": args.seq_len, "tokenizer": args.tokenizer}
 
 
-def _report(result: Any, as_json: bool) -> None:
+def _report(result: Any, as_json: bool, show_weights: bool = False) -> None:
     if as_json:
         print(json.dumps(result.to_json(), indent=2))
         return
-    ratio = result.input_bytes / result.output_bytes if result.output_bytes else 0
+    from bitpress.dry_run import weight_table_lines
+
     total = sum(result.seconds.values())
-    print(f"wrote {result.output} ({_mb(result.output_bytes)}, {ratio:.2f}x smaller than "
-          f"{_mb(result.input_bytes)}) in {total:.1f} s")
+    # the ratio is over the models (.onnx + external data); tokenizer and config files are counted apart
+    model_out = result.output_model_bytes if result.output_model_bytes is not None else result.output_bytes
+    model_in = result.input_model_bytes if result.input_model_bytes is not None else result.input_bytes
+    extra = f" + {_mb(result.companion_bytes)} of companion files" if result.companion_bytes else ""
+    print(f"wrote {result.output} ({_mb(model_out)} of model{extra}; the model is {result.ratio:.2f}x smaller "
+          f"than {_mb(model_in)}) in {total:.1f} s")
     for name, src, rep in result.reports:
         summary = rep.summary() if hasattr(rep, "summary") else str(rep)
         print(f"  {name} on {Path(src).name}: {summary}")
+        if show_weights:
+            for line in weight_table_lines(rep):
+                print(f"    {line}")
     for f in result.files:
         print(f"  {f}")
+    for note in result.notes:
+        print(f"note: {note}")
+    for name, src, rep in result.reports:
+        if getattr(rep, "quantized", None) == 0:
+            print(f"warning: {name} quantized no weights of {Path(src).name}; its weights are the input's, "
+                  "in float (see the patterns above, or --plan)")
 
 
 def _cmd_env_create(args: argparse.Namespace) -> int:
@@ -368,20 +476,41 @@ def _cmd_env_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_env_list(args: argparse.Namespace) -> int:
-    from bitpress.envs import envs_root, list_envs
+    from bitpress.envs import list_envs, locate_envs_root
 
-    rows = [e.to_json() for e in list_envs()]
+    root = locate_envs_root()
+    rows = [e.to_json() for e in list_envs(root.path)]
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
     if not rows:
-        print(f"no plugin environments in {envs_root()}; create one with: bitpress env create PLUGIN")
+        print(f"no plugin environments in {root.path} ({root.describe()}); "
+              "create one with: bitpress env create PLUGIN")
         return EXIT_OK
+    print(f"environments in {root.path} ({root.describe()})")
     table = [["ENV", "PASSES", "PYTHON", "HOST", "CREATED", "STATUS", "PATH"]]
     for r in rows:
         table.append([r["env"], ",".join(r["passes"]) or "-", r["python_version"] or "?", r["host_version"] or "?",
                       r["created"] or "?", f"broken: {r['problem']}" if r["problem"] else "ok", r["path"]])
     _print_table(table)
+    return EXIT_OK
+
+
+def _cmd_env_root(args: argparse.Namespace) -> int:
+    from bitpress.envs import locate_envs_root, record_envs_root
+
+    if args.unset and args.path is not None:
+        raise UsageError("env root: give a PATH to record or --unset, not both")
+    if args.unset or args.path is not None:
+        record = record_envs_root(None if args.unset else args.path)
+        if not args.json:
+            print(f"removed {record}" if args.unset else f"recorded {args.path.expanduser().absolute()} in {record}")
+    root = locate_envs_root()
+    if args.json:
+        print(json.dumps({"root": str(root.path), "source": root.source,
+                          "record": str(root.record) if root.record else None}, indent=2))
+    else:
+        print(f"{root.path} ({root.describe()})")
     return EXIT_OK
 
 
@@ -420,7 +549,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate(
         args.quantized, args.reference, data=args.data, samples=args.samples, seq_len=args.seq_len,
         batch=args.batch, seed=args.seed, text=args.text, tokenizer=args.tokenizer, max_windows=args.max_windows,
-        threads=args.threads, weights=not args.no_weights, progress=_progress,
+        jobs=args.jobs, weights=not args.no_weights, progress=_progress,
     )
     if args.html:
         result.write_html(args.html)

@@ -48,6 +48,7 @@ def run_demo(output: Path, *, preset: str = "demo", progress: Any = None) -> Ite
     registry = get_registry()
     rows = [("algorithm", "precision", "size", "ratio", "time", "logits rel. error", "top-1 agree")]
     size_in = _size(src.parent)
+    notes: list[str] = []
     rows.append(("float32", "-", f"{size_in / 1e6:.1f} MB", "1.00x", "-", "0", "100%"))
     for algorithm, precision in CANDIDATES:
         try:
@@ -60,6 +61,7 @@ def run_demo(output: Path, *, preset: str = "demo", progress: Any = None) -> Ite
         seconds = time.perf_counter() - t0
         sess = ort.InferenceSession(str(dest / "model.onnx"), providers=["CPUExecutionProvider"])
         rel, top1 = logits_error(reference, sess.run(None, feeds)[0])
+        notes += _float_notes(f"{algorithm} {precision}", result.reports)
         rows.append((
             algorithm, precision, f"{result.output_bytes / 1e6:.1f} MB", f"{size_in / result.output_bytes:.2f}x",
             f"{seconds:.2f} s", f"{rel:.4f}", f"{top1:.0%}",
@@ -67,7 +69,19 @@ def run_demo(output: Path, *, preset: str = "demo", progress: Any = None) -> Ite
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         yield "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
+    if notes:
+        yield "rows that differ for a reason:"
+        yield from notes
     yield f"outputs in {output}/ (inspect one with: bitpress inspect {output}/rtn-int4/model.onnx)"
+
+
+def _float_notes(label: str, reports: list[tuple[str, Path, Any]]) -> list[str]:
+    """What a run left in float and why: the reason a row is larger than its peers."""
+    notes = []
+    for _, _, report in reports:
+        for weight, why in sorted(getattr(report, "skipped", {}).items()):
+            notes.append(f"  {label}: {weight} stays float: {why}")
+    return notes
 
 
 def _size(folder: Path) -> int:

@@ -6,9 +6,11 @@ it is recorded as broken with the reason and the others load normally.
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata as md
 import logging
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -22,6 +24,27 @@ from bitpress.passes import Pass, check_pass_class
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "bitpress"
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` (or ``'x' or 'y'``) for the choices close to ``name``, else ``""``.
+
+    Case-insensitive: ``RNT`` suggests ``rtn``; the suggestion is spelled as the choice is.
+    """
+    by_key: dict[str, str] = {}
+    for c in choices:
+        by_key.setdefault(str(c).casefold(), str(c))
+    close = difflib.get_close_matches(str(name).casefold(), list(by_key), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    return "; did you mean " + " or ".join(repr(by_key[c]) for c in close) + "?"
+
+
+def _not_found(message: str, key: str) -> PassNotFoundError:
+    """A :class:`PassNotFoundError` that records which setting was wrong (``type``, ``precision``)."""
+    exc = PassNotFoundError(message)
+    exc.key = key  # type: ignore[attr-defined]  # read by the config loader to name the key
+    return exc
 
 
 @dataclass
@@ -132,24 +155,46 @@ class Registry:
     def broken(self) -> list[PluginInfo]:
         return [p for p in self.plugins.values() if not p.ok]
 
-    def get_pass(self, name: str) -> type[Pass]:
-        """The pass class called ``name``; raises with the reason when missing or unusable."""
+    def find_pass(self, name: str) -> type[Pass] | None:
+        """The pass class called ``name`` (case-insensitive), usable or not; ``None`` if there is none."""
         cls = self.passes.get(name)
         if cls is None:
-            raise PassNotFoundError(f"no pass named {name!r}{self._hint()}")
+            key = str(name).casefold()
+            cls = next((c for n, c in self.passes.items() if n.casefold() == key), None)
+        return cls
+
+    def pass_named(self, name: str) -> type[Pass]:
+        """:meth:`find_pass`, raising "no pass named ...; did you mean ...?" when there is none."""
+        cls = self.find_pass(name)
+        if cls is None:
+            raise _not_found(f"no pass named {name!r}{did_you_mean(name, self.passes)} (see `bitpress passes list`)"
+                             f"{self._hint()}", "type")
+        return cls
+
+    def get_pass(self, name: str) -> type[Pass]:
+        """The pass class called ``name``; raises with the reason when missing or unusable."""
+        cls = self.pass_named(name)
+        name = cls.name
         reason = cls.unavailable_reason()
         if reason:
             raise PassUnavailableError(f"pass {name!r} (plugin {cls.plugin}) is unavailable: {reason}")
         return cls
 
     def select(self, algorithm: str, precision: str | None, model_kind: str) -> type[Pass]:
-        """Pick the pass for ``quantize --algorithm --precision`` from declared metadata."""
-        by_algo = [c for c in self.passes.values() if algorithm in c.algorithms or c.name == algorithm]
+        """Pick the pass for ``quantize --algorithm --precision`` from declared metadata.
+
+        Algorithm and precision names are case-insensitive (``RTN``, ``INT4``); unknown ones
+        fail with the close matches ("did you mean ...?").
+        """
+        algo = str(algorithm).casefold()
+        by_algo = [c for c in self.passes.values()
+                   if algo in (a.casefold() for a in c.algorithms) or c.name.casefold() == algo]
         if not by_algo:
             known = sorted({a for c in self.passes.values() for a in c.algorithms})
-            raise PassNotFoundError(
-                f"no installed plugin provides algorithm {algorithm!r}; known: "
-                f"{', '.join(known) or '(none)'}{self._hint()}"
+            hint = did_you_mean(algorithm, [*known, *self.passes])
+            raise _not_found(
+                f"no installed plugin provides algorithm {algorithm!r}{hint}; known: "
+                f"{', '.join(known) or '(none)'}{self._hint()}", "type"
             )
         cands = [c for c in by_algo if model_kind in c.model_kinds]
         if not cands:
@@ -158,12 +203,13 @@ class Registry:
                 f"algorithm {algorithm!r} does not accept {model_kind} models (it takes: {', '.join(kinds)})"
             )
         if precision is not None:
-            with_prec = [c for c in cands if precision in c.precisions]
+            prec = str(precision).casefold()
+            with_prec = [c for c in cands if prec in (p.casefold() for p in c.precisions)]
             if not with_prec:
                 precs = sorted({p for c in cands for p in c.precisions})
-                raise PassNotFoundError(
+                raise _not_found(
                     f"algorithm {algorithm!r} does not offer precision {precision!r}; "
-                    f"choose one of {', '.join(precs)}"
+                    f"choose one of {', '.join(precs)}{did_you_mean(precision, precs)}", "precision"
                 )
             cands = with_prec
         usable = [c for c in cands if c.unavailable_reason() is None]
@@ -173,8 +219,12 @@ class Registry:
                 f"pass {c.name!r} (plugin {c.plugin}) is unavailable: {c.unavailable_reason()}"
             )
         # prefer the pass named after the algorithm, then registration order
-        usable.sort(key=lambda c: c.name != algorithm)
+        usable.sort(key=lambda c: c.name.casefold() != algo)
         return usable[0]
+
+    def broken_hint(self) -> str:
+        """``". Note: plugin X failed to load (...)"`` when plugins are broken, else ``""``."""
+        return self._hint()
 
     def _hint(self) -> str:
         broken = self.broken()
@@ -182,6 +232,14 @@ class Registry:
             return ""
         items = "; ".join(f"plugin {p.name} failed to load ({p.error})" for p in broken)
         return f". Note: {items}"
+
+
+def canonical_precision(cls: type[Pass], precision: str | None) -> str | None:
+    """``precision`` spelled as ``cls`` declares it (``INT4`` -> ``int4``); unknown names unchanged."""
+    if precision is None:
+        return None
+    key = str(precision).casefold()
+    return next((p for p in cls.precisions if p.casefold() == key), precision)
 
 
 _default: Registry | None = None

@@ -19,14 +19,14 @@ from typing import Any
 
 import yaml
 
-from bitpress.errors import ConfigError, OutputError, UsageError
+from bitpress.errors import ConfigError, OutputError, PassNotFoundError, UsageError
 from bitpress.models.base import ModelHandle
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.models.package import OnnxPackage
 from bitpress.onnx.save import SaveOptions
 from bitpress.onnx.tensors import is_external, iter_tensors
 from bitpress.passes import Pass, PassContext
-from bitpress.plugins import Registry, get_registry
+from bitpress.plugins import Registry, canonical_precision, get_registry
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,23 @@ class RunResult:
     output_bytes: int
     #: (pass name, model source, report) for passes that report (weight-only passes do)
     reports: list[tuple[str, Path, Any]] = field(default_factory=list)
+    #: the models' own bytes (.onnx + external data) of what the passes ran on, in and out; the
+    #: rest of ``input_bytes`` / ``output_bytes`` is companion files copied as they are (tokenizer, config)
+    input_model_bytes: int | None = None
+    output_model_bytes: int | None = None
+    #: what the user should know about the output (e.g. the ONNX checker rejects it, as it does the input)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def companion_bytes(self) -> int:
+        return 0 if self.output_model_bytes is None else self.output_bytes - self.output_model_bytes
+
+    @property
+    def ratio(self) -> float:
+        """How many times smaller the models got (companion files left out)."""
+        inp = self.input_model_bytes if self.input_model_bytes is not None else self.input_bytes
+        out = self.output_model_bytes if self.output_model_bytes is not None else self.output_bytes
+        return inp / out if out else 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -68,8 +85,14 @@ class RunResult:
             "seconds": self.seconds,
             "input_bytes": self.input_bytes,
             "output_bytes": self.output_bytes,
+            "input_model_bytes": self.input_model_bytes,
+            "output_model_bytes": self.output_model_bytes,
+            "companion_bytes": self.companion_bytes,
+            "ratio": round(self.ratio, 4),
+            "notes": list(self.notes),
             "reports": [
-                {"pass": name, "model": str(src), "summary": rep.summary() if hasattr(rep, "summary") else str(rep)}
+                {"pass": name, "model": str(src), "summary": rep.summary() if hasattr(rep, "summary") else str(rep),
+                 **(rep.to_json() if callable(getattr(rep, "to_json", None)) else {})}
                 for name, src, rep in self.reports
             ],
         }
@@ -91,6 +114,16 @@ def load_config(path: Path) -> dict[str, Any]:
     for key in ("input", "output"):
         if isinstance(data.get(key), str) and not Path(data[key]).is_absolute():
             data[key] = str(base / data[key])
+    # calibration data files too (a source string, or a mapping's source / tokenizer)
+    calib = data.get("data")
+    if isinstance(calib, str) and calib != "random" and not Path(calib).is_absolute():
+        data["data"] = str(base / calib)
+    elif isinstance(calib, dict):
+        calib = data["data"] = dict(calib)
+        for key in ("source", "tokenizer"):
+            value = calib.get(key)
+            if isinstance(value, str) and value != "random" and not Path(value).is_absolute():
+                calib[key] = str(base / value)
     return data
 
 
@@ -132,14 +165,21 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
         env = entry.pop("env", None)
         env_timeout = entry.pop("env_timeout", config.get("env_timeout"))
         options = {**entry, **options}
-        if env is None:
-            if model_kind is None:
-                model_kind = input_kind(registry, Path(src))
-            cls = _resolve_pass(registry, kind, precision, model_kind)
-        else:
-            from bitpress.envs import pinned_pass
+        try:
+            if env is None:
+                if model_kind is None:
+                    model_kind = input_kind(registry, Path(src))
+                cls = _resolve_pass(registry, kind, precision, model_kind)
+            else:
+                from bitpress.envs import pinned_pass
 
-            cls = pinned_pass(registry, env, kind, precision, _resolve_pass)
+                cls = pinned_pass(registry, env, kind, precision, _resolve_pass)
+        except PassNotFoundError as exc:
+            where = getattr(exc, "key", None)  # the setting that was wrong: name it as the user wrote it
+            if where is None:
+                raise
+            raise PassNotFoundError(f"{label}.{where}: {exc}") from None
+        precision = canonical_precision(cls, precision)  # INT4 -> int4, as the pass declares it
         pass_ = cls.from_config(options, precision)
         if cls.output_kind is not None:  # later algorithm names are chosen for the converted model
             model_kind = cls.output_kind
@@ -169,12 +209,27 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
 
 
 def _resolve_pass(registry: Registry, kind: str, precision: str | None, model_kind: str = "onnx") -> type[Pass]:
+    """A config's ``type``: a pass name, an Olive pass type a plugin maps, or an algorithm (any case)."""
+    from bitpress.plugins import did_you_mean
+
     if kind in registry.passes:
         return registry.get_pass(kind)
-    # accept Olive pass type names mapped by plugins, then algorithm names
-    for cls in registry.passes.values():
-        if kind in getattr(cls, "aliases", ()):
-            return registry.get_pass(cls.name)
+    aliases = {a: cls for cls in registry.passes.values() for a in getattr(cls, "aliases", ())}
+    if kind in aliases:
+        return registry.get_pass(aliases[kind].name)
+    key = str(kind).casefold()
+    algorithms = {a for cls in registry.passes.values() for a in cls.algorithms}
+    if key not in {a.casefold() for a in algorithms}:
+        # a pass name or alias in another case (``RTN_HF``); an algorithm name (any case) picks
+        # the pass by the model's kind below
+        found = registry.find_pass(kind) or next(
+            (cls for alias, cls in aliases.items() if alias.casefold() == key), None)
+        if found is not None:
+            return registry.get_pass(found.name)
+        hint = did_you_mean(kind, [*registry.passes, *algorithms, *aliases])
+        exc = PassNotFoundError(f"unknown pass {kind!r}{hint} (see `bitpress passes list`){registry.broken_hint()}")
+        exc.key = "type"  # type: ignore[attr-defined]
+        raise exc
     return registry.select(kind, precision, model_kind)
 
 
@@ -248,6 +303,7 @@ def run_workflow(
             model = _run_passes(model, wf, registry, context, seconds)
             t0 = time.perf_counter()
             files = _save(registry, model, dest, wf.save)
+            _note_checker(context, model, dest)
             seconds["save"] = time.perf_counter() - t0
             staged = payload if folder_out else dest
         final_files = _move_into_place(staged, wf.output, folder_out, files, tmp)
@@ -263,7 +319,20 @@ def run_workflow(
                 break
     in_bytes = _size_of(src)
     out_bytes = sum(f.stat().st_size for f in final_files if f.is_file())
-    return RunResult(wf.output, final_files, seconds, in_bytes, out_bytes, list(context.extras.get("reports", [])))
+    companions = int(context.extras.get("companion_bytes", 0))
+    return RunResult(wf.output, final_files, seconds, in_bytes, out_bytes, list(context.extras.get("reports", [])),
+                     input_model_bytes=int(context.extras.get("input_model_bytes", in_bytes)),
+                     output_model_bytes=out_bytes - companions, notes=list(context.extras.get("notes", [])))
+
+
+def _note_checker(context: PassContext, model: ModelHandle, dest: Path) -> None:
+    """The saver's note that ``onnx.checker`` rejects the output as it does the input (ORT-only ops)."""
+    note = getattr(model, "checker_note", None)
+    if note:
+        context.extras.setdefault("notes", []).append(
+            f"{dest.name}: onnx.checker.check_model fails on it as on its input ({note}); ONNX Runtime loads it "
+            "(ONNX Runtime GenAI builder exports use ORT-only ops in the default domain)"
+        )
 
 
 def _run_passes(
@@ -281,7 +350,50 @@ def _run_passes(
         model = result
         key = f"{prefix}{step.pass_.name}"
         seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t0
+        record_pass(model, step.pass_)
     return model
+
+
+#: the ONNX metadata_props key under which bitpress records the passes that made a model
+METADATA_KEY = "bitpress"
+
+
+def record_pass(model: ModelHandle, pass_: Pass) -> None:
+    """Append ``pass_`` (name, plugin, options) to the ``bitpress`` metadata of an ONNX model.
+
+    ``bitpress eval`` reads it back to name the algorithm and its options. The record holds
+    nothing that varies between equal runs (no paths, times or thread counts), so the same
+    pass on the same input still writes the same bytes.
+    """
+    if not isinstance(model, OnnxModel):
+        return
+    from bitpress import __version__
+    from bitpress.options import as_dict
+
+    props = model.proto.metadata_props
+    index = next((i for i, p in enumerate(props) if p.key == METADATA_KEY), None)
+    record: dict[str, Any] = {}
+    if index is not None:
+        try:
+            record = json.loads(props[index].value)
+        except ValueError:
+            record = {}
+        if not isinstance(record, dict) or not isinstance(record.get("passes"), list):
+            record = {}
+    try:
+        options = as_dict(pass_.options)
+    except TypeError:  # options that are not a dataclass
+        options = {}
+    record = {"version": __version__, "passes": [*record.get("passes", []), {
+        "pass": pass_.name, "plugin": getattr(pass_, "plugin", "?"), "options": options,
+    }]}
+    value = json.dumps(record, sort_keys=True, default=str)
+    if index is None:
+        entry = props.add()
+        entry.key = METADATA_KEY
+    else:
+        entry = props[index]
+    entry.value = value
 
 
 def _run_package(
@@ -290,11 +402,14 @@ def _run_package(
 ) -> list[Path]:
     chosen = package.select(wf.components)
     files: list[Path] = []
+    # the ratio is over the models the passes run on; every other file is carried over as it is
+    context.extras["input_model_bytes"] = sum(f.stat().st_size for rel in chosen for f in package.files_of(rel))
     for rel in chosen:
         model = package.component(rel)
         model = _run_passes(model, wf, registry, context, seconds, prefix=f"{rel}:")
         t0 = time.perf_counter()
         files += _save(registry, model, payload / rel, wf.save)
+        _note_checker(context, model, payload / rel)
         seconds[f"{rel}:save"] = time.perf_counter() - t0
         if isinstance(model, OnnxModel):
             model.close()
@@ -304,8 +419,9 @@ def _run_package(
         if dst.resolve() in written:
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dst)
+        package.copy_file(src, dst)  # checked to stay inside the input folder right before it is read
         files.append(dst)
+        context.extras["companion_bytes"] = context.extras.get("companion_bytes", 0) + dst.stat().st_size
     return files
 
 
@@ -317,7 +433,20 @@ def _save(registry: Registry, model: ModelHandle, dest: Path, save: SaveOptions)
     return [Path(f) for f in files]
 
 
+#: the longest name (bytes) of one part of the output path: 255 on common file systems, less the
+#: suffixes bitpress adds (``.data.NN``, the temporary folder's ``.bitpress-XXXXXXXX``)
+MAX_OUTPUT_PART = 230
+
+
 def _check_output(src: Path, out: Path, folder_out: bool, overwrite: bool) -> None:
+    for part in out.parts:
+        if len(os.fsencode(part)) > MAX_OUTPUT_PART:
+            raise OutputError(
+                f"the output name {part[:40]}... is {len(os.fsencode(part))} bytes long; at most {MAX_OUTPUT_PART} "
+                "(file systems allow 255, and bitpress adds suffixes such as .data)"
+            )
+    if len(os.fsencode(str(out.absolute()))) > 3800:
+        raise OutputError(f"the output path {str(out)[:60]}... is too long for the file system")
     src_r, out_r = src.resolve(), out.resolve()
     if src_r == out_r:
         raise OutputError(f"the output {out} is the input; choose another output path")
@@ -335,7 +464,9 @@ def _check_output(src: Path, out: Path, folder_out: bool, overwrite: bool) -> No
     if out.exists() and not overwrite:
         if out.is_dir() and not any(out.iterdir()):
             return
-        raise OutputError(f"the output {out} already exists; remove it or pass --overwrite")
+        raise OutputError(
+            f"the output {out} already exists; remove it or pass --overwrite (overwrite=True from Python)"
+        )
 
 
 def _check_output_spares_input(model: ModelHandle, out: Path, folder_out: bool) -> None:

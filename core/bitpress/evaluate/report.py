@@ -61,7 +61,10 @@ def output_rows(result: EvalResult) -> list[list[str]]:
 
 def text_lines(result: EvalResult, worst: int = 5) -> list[str]:
     """A summary for a terminal; tables are lists of equal-width columns."""
-    lines = [f"QUANTIZED {result.quantized}", f"reference {result.reference}",
+    bpw = "" if result.bits_per_weight is None else f", {result.bits_per_weight:.2f} bits per weight"
+    lines = [f"QUANTIZED {result.quantized} ({_size(result.quantized_bytes)}{bpw})",
+             f"reference {result.reference} ({_size(result.reference_bytes)})",
+             f"algorithm {algorithm_text(result)}",
              f"compared on {result.data}: {result.samples} run(s), batch {result.batch}", ""]
     lines += _columns(output_rows(result))
     p = result.perplexity
@@ -94,14 +97,19 @@ def _columns(rows: list[list[str]]) -> list[str]:
 
 
 # -- HTML -------------------------------------------------------------------------------------------
+# Tables never overflow the page (a 1280 px window included): a fixed layout at 100 % of the
+# body's width, and long tensor / node names wrap anywhere (the full name is also the cell's title).
 _CSS = """
+*,*::before,*::after{box-sizing:border-box}
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1100px;
 color:#1b1f24;padding:0 1em}
 h1{font-size:1.5em;margin-bottom:.2em}h2{font-size:1.15em;margin-top:1.8em;border-bottom:1px solid #d0d7de}
 .meta{color:#57606a}code{font:12px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
-table{border-collapse:collapse;margin:.5em 0;font-size:13px}
-th,td{border:1px solid #d0d7de;padding:3px 8px;text-align:right}th{background:#f6f8fa}
-td.l,th.l{text-align:left}tr.worst td{background:#ffebe9}tr.low td{background:#fff8c5}
+table{border-collapse:collapse;margin:.5em 0;font-size:13px;width:100%;max-width:100%;table-layout:fixed}
+th,td{border:1px solid #d0d7de;padding:3px 6px;text-align:right}th{background:#f6f8fa}
+td.l,th.l{text-align:left;overflow-wrap:anywhere}td code{overflow-wrap:anywhere}
+tr.worst td{background:#ffebe9}tr.low td{background:#fff8c5}
+table.kv th{width:11em;text-align:left}table.kv td{text-align:left}
 .cards{display:flex;gap:1em;flex-wrap:wrap}.card{border:1px solid #d0d7de;border-radius:6px;padding:.6em 1em}
 .card b{display:block;font-size:1.4em}.note{color:#9a6700}svg text{font:11px ui-monospace,Menlo,Consolas,monospace}
 """
@@ -115,8 +123,8 @@ def render_html(result: EvalResult) -> str:
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>bitpress eval: {e(result.quantized.name)}</title><style>{_CSS}</style></head><body>",
         "<h1>Quantization report</h1>",
-        f'<p class="meta">QUANTIZED <code>{e(str(result.quantized))}</code><br>reference '
-        f"<code>{e(str(result.reference))}</code><br>compared on {e(result.data)}: {result.samples} run(s), "
+        _models_table(result),
+        f'<p class="meta">compared on {e(result.data)}: {result.samples} run(s), '
         f"batch {result.batch}, {result.threads} thread(s), {result.seconds:.1f} s; "
         f"{_dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}</p>",
         _cards(result),
@@ -163,6 +171,50 @@ def render_html(result: EvalResult) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _size(n: int) -> str:
+    if not n:
+        return "?"
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def algorithm_text(result: EvalResult) -> str:
+    """``rtn (plugin rtn)``, several passes joined with ``then``; ``unknown`` without a record."""
+    if not result.quantization:
+        return "unknown"
+    return " then ".join(f"{p.get('pass', '?')} (plugin {p.get('plugin', '?')})" for p in result.quantization)
+
+
+def _options_text(options: dict) -> str:
+    import json
+
+    return ", ".join(f"{k}={json.dumps(v, default=str)}" for k, v in sorted(options.items())) or "(none)"
+
+
+def _models_table(result: EvalResult) -> str:
+    """Both models (paths, sizes), bits per weight, and the algorithm with its options."""
+    e = html.escape
+    ratio = (f" ({result.reference_bytes / result.quantized_bytes:.2f}x smaller)"
+             if result.quantized_bytes and result.reference_bytes else "")
+    bpw = "-" if result.bits_per_weight is None else f"{result.bits_per_weight:.2f}"
+    rows = [
+        ("QUANTIZED", f"<code>{e(str(result.quantized))}</code>"),
+        ("reference", f"<code>{e(str(result.reference))}</code>"),
+        ("size", f"{_size(result.quantized_bytes)} quantized, {_size(result.reference_bytes)} reference{ratio}"),
+        ("bits per weight", f"{bpw} <span class=meta>(quantized weights: integers, scales and zero points)</span>"),
+    ]
+    if result.quantization:
+        for i, p in enumerate(result.quantization):
+            label = "algorithm" if len(result.quantization) == 1 else f"pass {i + 1}"
+            rows.append((label, f"{e(str(p.get('pass', '?')))} <span class=meta>(plugin "
+                                f"{e(str(p.get('plugin', '?')))})</span>"))
+            rows.append(("options", f"<code>{e(_options_text(p.get('options') or {}))}</code>"))
+    else:
+        rows.append(("algorithm", "unknown <span class=meta>(QUANTIZED records no bitpress metadata)</span>"))
+        rows.append(("options", "unknown"))
+    body = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
+    return f'<table class="kv">{body}</table>'
+
+
 def _cards(result: EvalResult) -> str:
     cards = []
     logits = result.logits()
@@ -183,7 +235,8 @@ def _cards(result: EvalResult) -> str:
 
 
 def _outputs_table(outputs: list[OutputMetrics]) -> str:
-    head = "<table><tr>" + "".join(
+    cols = '<colgroup><col style="width:28%"><col style="width:14%"><col span="5"></colgroup>'
+    head = f"<table>{cols}<tr>" + "".join(
         f"<th{' class=l' if i < 2 else ''}>{h}</th>"
         for i, h in enumerate(["output", "shape", "max abs", "mean abs", "rel L2", "cosine", "top-1"])
     ) + "</tr>"
@@ -191,7 +244,8 @@ def _outputs_table(outputs: list[OutputMetrics]) -> str:
     for o in outputs:
         top1 = "-" if o.top1_agreement is None else f"{o.top1_agreement:.2%}"
         body.append(
-            f"<tr><td class=l>{html.escape(o.name)}</td><td class=l>{'×'.join(map(str, o.shape))}</td>"
+            f"<tr><td class=l title=\"{html.escape(o.name)}\">{html.escape(o.name)}</td>"
+            f"<td class=l>{'×'.join(map(str, o.shape))}</td>"
             f"<td>{_g(o.max_abs_error)}</td><td>{_g(o.mean_abs_error)}</td><td>{_g(o.relative_l2)}</td>"
             f"<td>{o.cosine:.6f}</td><td>{top1}</td></tr>"
         )
@@ -211,13 +265,18 @@ def _ranks(tensors: list[TensorError]) -> tuple[int | None, set[int]]:
 
 def _tensor_table(tensors: list[TensorError]) -> str:
     worst, low = _ranks(tensors)
-    rows = ["<table><tr><th>#</th><th class=l>weight</th><th class=l>node(s)</th><th class=l>op</th><th>shape</th>"
-            "<th>bits</th><th>block</th><th>SQNR</th><th>rel. error</th><th>max abs</th><th class=l>note</th></tr>"]
+    # widths in % of the page: the names get the room, and wrap within it
+    widths = (3, 21, 18, 10, 7, 4, 5, 7, 7, 8, 10)
+    cols = "".join(f'<col style="width:{w}%">' for w in widths)
+    rows = [f"<table><colgroup>{cols}</colgroup><tr><th>#</th><th class=l>weight</th><th class=l>node(s)</th>"
+            "<th class=l>op</th><th>shape</th><th>bits</th><th>block</th><th>SQNR</th><th>rel. error</th>"
+            "<th>max abs</th><th class=l>note</th></tr>"]
     for i, t in enumerate(tensors):
         cls = ' class="worst"' if i == worst else (' class="low"' if i in low else "")
+        weight, nodes = html.escape(t.weight or "?"), html.escape(", ".join(t.nodes))
         rows.append(
-            f"<tr{cls}><td>{i + 1}</td><td class=l><code>{html.escape(t.weight or '?')}</code></td>"
-            f"<td class=l><code>{html.escape(', '.join(t.nodes))}</code></td><td class=l>{t.op_type}</td>"
+            f'<tr{cls}><td>{i + 1}</td><td class=l title="{weight}"><code>{weight}</code></td>'
+            f'<td class=l title="{nodes}"><code>{nodes}</code></td><td class=l>{t.op_type}</td>'
             f"<td>{'×'.join(map(str, t.shape)) or '-'}</td><td>{t.bits or '-'}</td><td>{t.block_size or '-'}</td>"
             f"<td>{_db(t.sqnr_db)}</td><td>{_g(t.relative_error)}</td><td>{_g(t.max_abs_error)}</td>"
             f"<td class=l>{html.escape(t.note)}</td></tr>"

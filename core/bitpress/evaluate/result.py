@@ -94,6 +94,13 @@ class EvalResult:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     weights_compared: bool = True  # False with weights=False (--no-weights): ``tensors`` is empty by choice
+    quantized_bytes: int = 0  # the .onnx file and the external data it reads
+    reference_bytes: int = 0
+    #: 8 x bytes stored for the quantized weights (integers, scales, zero points) / their weights
+    bits_per_weight: float | None = None
+    #: the passes that made QUANTIZED, from its ``bitpress`` metadata (``[{"pass", "plugin",
+    #: "options"}]``); ``None`` when the model records none (not written by bitpress)
+    quantization: list[dict[str, Any]] | None = None
 
     def logits(self) -> OutputMetrics | None:
         return next((o for o in self.outputs if o.is_logits), None)
@@ -129,6 +136,10 @@ class EvalResult:
             "sqnr_summary": self.sqnr_summary(),
             "notes": list(self.notes),
             "seconds": self.seconds,
+            "quantized_bytes": self.quantized_bytes,
+            "reference_bytes": self.reference_bytes,
+            "bits_per_weight": self.bits_per_weight,
+            "quantization": self.quantization,
         }
         return _finite(out)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from bitpress.data import DataConfig, input_specs
 from bitpress.errors import ModelLoadError, UsageError
@@ -75,10 +76,13 @@ def run_evaluation(
         q_sess = _session(qf.path, threads, "QUANTIZED")
         r_sess = _session(rf.path, threads, "reference")
         result = EvalResult(qf.path, rf.path, "", 0, batch, seq_len, threads)
+        result.quantized_bytes, result.reference_bytes = model_bytes(qm), model_bytes(rm)
+        result.bits_per_weight = bits_per_weight(qm)
+        result.quantization = recorded_passes(qm)
         if past:
-            result.notes.append(
-                f"KV-cache model: {len(past)} past input(s) fed empty (length 0); each window runs in one call"
-            )
+            from bitpress.evaluate.feeds import cache_note
+
+            result.notes.append(cache_note(rm.proto, hints) or "")
         accs = [OutputAccumulator(n, False) for n in names]
         ppl_windows: np.ndarray | None = None
         text_path = Path(text) if text is not None else None
@@ -135,6 +139,79 @@ def run_evaluation(
     finally:
         qm.close()
         rm.close()
+
+
+def model_bytes(model: OnnxModel) -> int:
+    """Bytes on disk of ``model``: its .onnx file and every external data file it reads (once)."""
+    from bitpress.onnx.tensors import is_external, iter_tensors
+
+    files = {model.source.resolve()}
+    for t in iter_tensors(model.proto):
+        if is_external(t):
+            try:
+                files.add(model.resolver.path(t)[0].resolve())
+            except (ModelLoadError, OSError, ValueError):
+                continue
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+_QUANTIZED_INPUTS = {"MatMulNBits": (1, 2, 3), "MatMulBnb4": (1, 2), "GatherBlockQuantized": (0, 2, 3)}
+
+
+def bits_per_weight(model: OnnxModel) -> float | None:
+    """8 x bytes of the quantized weights (integers, scales, zero points) / weights they hold.
+
+    Weights are counted from the nodes' attributes (``K`` x ``N``; a ``GatherBlockQuantized``
+    table from its data's shape and ``bits``); a tensor read by several nodes (a tied table)
+    counts once. ``None`` without quantized nodes.
+    """
+    from onnx import helper
+
+    from bitpress.onnx.tensors import tensor_nbytes
+
+    inits = {t.name: t for t in model.graph.initializer}
+    counted: set[str] = set()
+    weights = stored = 0
+    for node in model.graph.node:
+        slots = _QUANTIZED_INPUTS.get(node.op_type)
+        if slots is None or node.domain != "com.microsoft":
+            continue
+        data = node.input[slots[0]] if len(node.input) > slots[0] else ""
+        if data in counted or data not in inits:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "GatherBlockQuantized":
+            dims = list(inits[data].dims)
+            bits = int(attrs.get("bits", 4))
+            per_byte = 8 // bits if inits[data].data_type == onnx.TensorProto.UINT8 else 1
+            n = math.prod(dims) * per_byte if dims else 0
+        else:
+            n = int(attrs.get("K", 0)) * int(attrs.get("N", 0))
+        if not n:
+            continue
+        weights += n
+        for i in slots:
+            name = node.input[i] if len(node.input) > i else ""
+            if name and name in inits and name not in counted:
+                counted.add(name)
+                stored += tensor_nbytes(inits[name])
+    return 8 * stored / weights if weights else None
+
+
+def recorded_passes(model: OnnxModel) -> list[dict[str, Any]] | None:
+    """The passes recorded in the model's ``bitpress`` metadata (see ``workflow.record_pass``)."""
+    import json
+
+    from bitpress.workflow import METADATA_KEY
+
+    for prop in model.proto.metadata_props:
+        if prop.key == METADATA_KEY:
+            try:
+                passes = json.loads(prop.value).get("passes")
+            except (ValueError, AttributeError):
+                return None
+            return [p for p in passes if isinstance(p, dict)] if isinstance(passes, list) else None
+    return None
 
 
 def _data_config(
