@@ -162,16 +162,22 @@ def plan(model: OnnxModel, opts: WeightOnlyOptions) -> Plan:
     for weight, wuses in uses.items():
         tensor = inits[weight]
         # every reader of the weight (directly or via the Transpose) must be a planned use
-        readers = {id(n) for n in cons.get(weight, [])}
+        nodes = {id(n): n for n in cons.get(weight, [])}
         planned = {id(u.node) for u in wuses} | {id(u.transpose) for u in wuses if u.transpose is not None}
+        elsewhere = weight in graph_outputs or weight in subgraph_reads
         for u in wuses:
             if u.transpose is not None:
                 t_out = u.transpose.output[0]
-                readers |= {id(n) for n in cons.get(t_out, [])}
-                if t_out in graph_outputs or t_out in subgraph_reads:
-                    readers.add(-1)
-        if readers - planned or weight in graph_outputs or weight in subgraph_reads:
-            skipped[weight] = "also read by nodes that are not quantized; kept in float"
+                nodes.update((id(n), n) for n in cons.get(t_out, []))
+                elsewhere |= t_out in graph_outputs or t_out in subgraph_reads
+        others = [n for key, n in nodes.items() if key not in planned]
+        if others or elsewhere:
+            named = sorted(f"{n.op_type} {n.name or n.output[0]}" for n in others)[:3]
+            what = ", ".join(named) if named else "a graph output or subgraph"
+            if len(others) > 3:
+                what += f" and {len(others) - 3} more"
+            skipped[weight] = (f"also read by {what}, which this pass does not quantize (op_types: "
+                               f"{', '.join(opts.op_types)}); kept in float so the weight stays one tensor")
             continue
         names = [n for u in wuses for n in (u.node.name, weight)]
         if include and not any(include.matches(u.node.name, weight) for u in wuses):
