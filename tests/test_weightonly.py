@@ -212,10 +212,19 @@ def test_include_and_exclude_patterns(decoder, tmp_path):
     assert len(names) == 6
 
 
-def test_catastrophic_regex_is_refused_before_work(decoder, tmp_path):
-    with pytest.raises(OptionError, match="nests a repetition"):
+def test_regex_re2_cannot_express_is_refused_before_work(decoder, tmp_path):
+    # matched by RE2 in linear time: a pattern that backtracks catastrophically elsewhere is fine here
+    bitpress.quantize(decoder, tmp_path / "ok.onnx", algorithm="rtn", precision="int4",
+                      options={"nodes_to_exclude": ["re:(a+)+$", r"re:(.*/)+k_proj(/.*)+"]})
+    names = [n.name for n in nodes(tmp_path / "ok.onnx", "MatMulNBits")]
+    assert names and not any("k_proj" in n for n in names)
+    # what needs backtracking (backreferences, lookaround) is refused, naming the pattern
+    with pytest.raises(OptionError, match=r"'re:\(a\)\\\\1' uses a backreference"):
         bitpress.quantize(decoder, tmp_path / "q.onnx", algorithm="rtn", precision="int4",
-                          options={"nodes_to_exclude": ["re:(a+)+$"]})
+                          options={"nodes_to_exclude": [r"re:(a)\1"]})
+    with pytest.raises(OptionError, match="uses a lookahead"):
+        bitpress.quantize(decoder, tmp_path / "q.onnx", algorithm="rtn", precision="int4",
+                          options={"overrides": {"re:.*(?=proj)": {"bits": 8}}})
     assert not (tmp_path / "q.onnx").exists()
 
 

@@ -99,17 +99,26 @@ class Pass(ABC):
         self.options = options if options is not None else self.Options()
 
     @classmethod
-    def from_config(cls, values: dict[str, Any] | None, precision: str | None = None) -> Pass:
-        """Validate user options (and a precision) and build the pass; no work is done."""
+    def from_config(cls, values: dict[str, Any] | None, precision: str | None = None, *,
+                    strict: bool = False) -> Pass:
+        """Validate user options (and a precision) and build the pass; no work is done.
+
+        ``strict``: the values come typed (a workflow config, Python) and must have their options'
+        types; otherwise strings (``--option k=v``) are coerced (see :func:`bitpress.options.parse_options`).
+        """
+        if values is not None and not isinstance(values, dict):
+            raise OptionError(f"{cls.name}: options must be a mapping of names to values")
         values = dict(values or {})
         if precision is not None:
+            from bitpress.selection import short
+
             for key, value in cls.precision_options(precision).items():
                 if key in values and str(values[key]) != str(value):
                     raise OptionError(
-                        f"{cls.name}: option {key}={values[key]} contradicts --precision {precision}"
+                        f"{cls.name}: option {key}={short(values[key])} contradicts --precision {precision}"
                     )
                 values[key] = value
-        return cls(parse_options(cls.Options, values, owner=cls.name))
+        return cls(parse_options(cls.Options, values, owner=cls.name, strict=strict))
 
     @classmethod
     def precision_options(cls, precision: str) -> dict[str, Any]:
