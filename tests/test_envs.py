@@ -448,8 +448,9 @@ def _assert_no_output(folder: Path, out: Path, keep: set[str]) -> None:
 
 @pytest.mark.parametrize(("mode", "code", "message"), [
     ("fail", 1, "bitpress: error: envround cannot round this model (mode=fail) (in environment 'envplugin')"),
-    ("vendor", 1, "bitpress: error: pass envround in environment 'envplugin' failed: RuntimeError: "
-                  "the vendor toolkit exploded"),
+    # an exception in the pass is its plugin's fault, named as in the host (tests/test_plugin_faults.py)
+    ("vendor", 1, "bitpress: error: plugin envplugin failed in pass envround: RuntimeError: "
+                  "the vendor toolkit exploded (in environment 'envplugin')"),
     ("crash", 1, "the worker exited with code 3 without a result"),
 ])
 def test_worker_failure_is_a_clear_error(run_cli, envs: SimpleNamespace, tiny_decoder: Path, tmp_path: Path,
@@ -525,6 +526,36 @@ def test_timeout_kills_the_worker(run_cli, envs: SimpleNamespace, tiny_decoder: 
         time.sleep(0.1)
     assert _dead(pid)
     _assert_no_output(tmp_path, out, {"child.pid", "recipe.yaml"})
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_host_signal_kills_the_worker(envs: SimpleNamespace, tiny_decoder: Path, tmp_path: Path, sig: str) -> None:
+    """The host stopped by a signal takes the worker (in a session of its own) and its children down too."""
+    import signal
+
+    signum = getattr(signal, sig)
+    pidfile = tmp_path / "child.pid"
+    out = tmp_path / "out.onnx"
+    env = {k: v for k, v in os.environ.items() if k not in ("BITPRESS_NO_ENVS", "BITPRESS_ENV_TIMEOUT")}
+    env["BITPRESS_ENVS"] = str(envs.root)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bitpress", "quantize", "-m", str(tiny_decoder), "-o", str(out), "--algorithm",
+         "envround", "--option", "mode=sleep", "--option", "seconds=300", "--option", f"pidfile={pidfile}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (pidfile.exists() and pidfile.read_text().strip()) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the worker never started its child"
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, err
+    assert f"bitpress: interrupted by {sig}; nothing was written" in err.splitlines() and "Traceback" not in err
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while not _dead(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _dead(pid)
+    _assert_no_output(tmp_path, out, {"child.pid"})
 
 
 def test_unknown_options_fail_before_any_work(run_cli, envs: SimpleNamespace, tmp_path: Path,

@@ -106,8 +106,12 @@ def test_plugin_broken_at_import_is_listed_not_fatal(
     code, _, err = run_cli("quantize", "-m", tiny_decoder, "-o", tmp_path / "q.onnx", "--algorithm", "rtn",
                            "--precision", "int4")
     assert code == 0, err
-    # and an unknown algorithm mentions the broken plugin as a likely cause
+    # and the broken plugin's own algorithm is unavailable (exit code 1, not a usage error), saying why
     code, _, err = run_cli("quantize", "-m", tiny_decoder, "-o", tmp_path / "b.onnx", "--algorithm", "boom")
+    assert code == 1
+    assert "algorithm 'boom' is unavailable: plugin boom (bitpress-boom 1.2.3) failed to load" in err
+    # an unknown algorithm mentions the broken plugin as a likely cause
+    code, _, err = run_cli("quantize", "-m", tiny_decoder, "-o", tmp_path / "b.onnx", "--algorithm", "bom")
     assert code == 2
     assert "plugin boom failed to load" in err
 

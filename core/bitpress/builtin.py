@@ -1,7 +1,8 @@
 """The host's own hook implementations: ONNX and Hugging Face loading, pass execution and saving.
 
 Registered before any plugin and marked ``trylast``, so a plugin's implementation of the same
-hook is consulted first and these are the fallback.
+hook is consulted first and these are the fallback. A pass's ``run`` is plugin code: it runs
+inside :class:`bitpress.plugins.guard`, so whatever it raises names its plugin.
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ def bitpress_load_model(source: Path, options: dict[str, Any]) -> ModelHandle | 
 
 @hookimpl(trylast=True)
 def bitpress_run_pass(pass_: Pass, model: ModelHandle, context: PassContext) -> ModelHandle:
-    return pass_.run(model, context)
+    from bitpress.plugins import guard
+
+    # the pass is its plugin's code: whatever it raises (SystemExit too) is that plugin's fault
+    with guard(getattr(pass_, "plugin", "?"), f"in pass {pass_.name}"):
+        return pass_.run(model, context)
 
 
 @hookimpl(trylast=True)

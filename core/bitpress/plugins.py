@@ -1,24 +1,34 @@
 """Plugin discovery: entry points in the group ``bitpress``, loaded one by one.
 
 A plugin that fails to import, or whose hooks raise while registering, never breaks the host:
-it is recorded as broken with the reason and the others load normally.
+it is recorded as broken with the reason and the others load normally. Whatever a plugin
+raises later (loading or saving a model, in a pass, in a hook wrapper: any ``Exception``, but
+also ``SystemExit``, ``GeneratorExit`` or a custom ``BaseException``) becomes a
+:class:`bitpress.errors.PluginError` naming the plugin and what it was doing, so a plugin can
+never end the host with an exit code of its own (see :func:`guard` and :func:`check_result`).
+Only interrupts (``KeyboardInterrupt``, and with it :class:`bitpress.errors.Interrupted`) and
+the host's own errors pass through unchanged.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.metadata as md
+import inspect
 import logging
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pluggy
 
 from bitpress import hookspecs
-from bitpress.errors import PassNotFoundError, PassUnavailableError
+from bitpress.errors import PassNotFoundError, PassUnavailableError, PluginError
+from bitpress.models.base import ModelHandle
 from bitpress.passes import Pass, check_pass_class
 
 log = logging.getLogger(__name__)
@@ -45,6 +55,171 @@ def _not_found(message: str, key: str) -> PassNotFoundError:
     exc = PassNotFoundError(message)
     exc.key = key  # type: ignore[attr-defined]  # read by the config loader to name the key
     return exc
+
+
+# -- plugin faults -------------------------------------------------------------------------------
+def passes_through(exc: BaseException) -> bool:
+    """Whether a guard lets ``exc`` through unchanged instead of turning it into a plugin fault.
+
+    Interrupts do (``KeyboardInterrupt``: Ctrl-C, and ``bitpress.errors.Interrupted``, raised
+    for the signals the CLI handles), and so do the host's own errors (any class of
+    :mod:`bitpress.errors` along its MRO: a :class:`BitpressError` a plugin raises on purpose,
+    such as ``ModelLoadError``, is already a clean error). Everything else, ``SystemExit``,
+    ``GeneratorExit`` and custom ``BaseException`` subclasses included, is a plugin fault.
+    """
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    return any(klass.__module__ == "bitpress.errors" for klass in type(exc).__mro__)
+
+
+def describe_fault(exc: BaseException) -> str:
+    """What a plugin did, in words: ``it raised SystemExit(3) (sys.exit)``, ``RuntimeError: boom``."""
+    if isinstance(exc, SystemExit):
+        return f"it raised SystemExit({exc.code!r}) (sys.exit); a plugin must not end the program"
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def plugin_fault(plugin: str, action: str, exc: BaseException) -> PluginError:
+    """The :class:`PluginError` for ``exc``, raised by plugin ``plugin`` while doing ``action``."""
+    error = PluginError(f"plugin {plugin} failed {action}: {describe_fault(exc)}")
+    error.plugin = plugin  # type: ignore[attr-defined]
+    error.action = action  # type: ignore[attr-defined]
+    return error
+
+
+class guard:  # lower case: used like a function, ``with guard(plugin, "in pass x"):``
+    """Turn whatever plugin code raises in the block into a :class:`PluginError` (see :func:`passes_through`)."""
+
+    def __init__(self, plugin: str, action: str) -> None:
+        self.plugin, self.action = plugin, action
+
+    def __enter__(self) -> guard:
+        return self
+
+    def __exit__(self, tp: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or passes_through(exc):
+            return False
+        raise plugin_fault(self.plugin, self.action, exc) from exc
+
+
+def _hook_action(hook: str, argnames: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    values = {**dict(zip(argnames, args, strict=False)), **kwargs}
+    if hook == "bitpress_load_model":
+        return f"while loading {values.get('source')} (its bitpress_load_model hook)"
+    if hook == "bitpress_save_model":
+        model = values.get("model")
+        return f"while saving the {getattr(model, 'kind', '?')} model (its bitpress_save_model hook)"
+    if hook == "bitpress_run_pass":
+        return f"in its bitpress_run_pass hook, around pass {getattr(values.get('pass_'), 'name', '?')}"
+    return f"in its {hook} hook"
+
+
+def _guarded(function: Callable[..., Any], plugin: str, hook: str, argnames: tuple[str, ...]) -> Callable[..., Any]:
+    """``function`` (a plugin's hook implementation) with its faults turned into :class:`PluginError`."""
+    if inspect.isgeneratorfunction(function):  # a hook wrapper (wrapper=True or hookwrapper=True)
+        return _guarded_wrapper(function, plugin, hook, argnames)
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except BaseException as exc:
+            if passes_through(exc):
+                raise
+            raise plugin_fault(plugin, _hook_action(hook, argnames, args, kwargs), exc) from exc
+
+    return call
+
+
+def _guarded_wrapper(
+    function: Callable[..., Generator[Any, Any, Any]], plugin: str, hook: str, argnames: tuple[str, ...],
+) -> Callable[..., Generator[Any, Any, Any]]:
+    """A generator driving the plugin's wrapper: what the wrapper raises itself is its fault; what
+    the call it wraps raised (thrown into it by pluggy) and the wrapper lets through is not."""
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+        def fault(exc: BaseException) -> PluginError:
+            return plugin_fault(plugin, _hook_action(hook, argnames, args, kwargs), exc)
+
+        try:
+            inner = function(*args, **kwargs)
+            value = next(inner)
+        except StopIteration:
+            raise fault(RuntimeError("the hook wrapper did not yield")) from None
+        except BaseException as exc:
+            if passes_through(exc):
+                raise
+            raise fault(exc) from exc
+        while True:
+            try:
+                sent = yield value
+            except GeneratorExit:  # closed by pluggy: close the plugin's generator too
+                inner.close()
+                raise
+            except BaseException as thrown:  # the wrapped call failed: the wrapper may handle it
+                try:
+                    value = inner.throw(thrown)
+                except StopIteration as stop:
+                    return stop.value
+                except BaseException as exc:
+                    if exc is thrown or passes_through(exc):
+                        raise
+                    raise fault(exc) from exc
+            else:
+                try:
+                    value = inner.send(sent)
+                except StopIteration as stop:
+                    return stop.value
+                except BaseException as exc:
+                    if passes_through(exc):
+                        raise
+                    raise fault(exc) from exc
+
+    return call
+
+
+def _missing_file(model: ModelHandle) -> str | None:
+    """A file ``model`` still reads from that is gone (external data, the lazily read .onnx), or None."""
+    from bitpress.models.onnx_model import OnnxModel
+    from bitpress.onnx.tensors import external_ref, is_external, iter_tensors
+
+    if isinstance(model, OnnxModel):
+        seen: set[str] = set()
+        for tensor in iter_tensors(model.proto):
+            if not is_external(tensor):
+                continue
+            location = external_ref(tensor).location
+            if location in seen:
+                continue
+            seen.add(location)
+            path = model.resolver.path(tensor)[0]
+            if not path.is_file():
+                return str(path)
+        return None
+    source = getattr(model, "source", None)
+    if source is not None and not Path(source).exists():
+        return str(source)
+    return None
+
+
+def check_result(pass_: Pass, result: Any, label: str | None = None) -> ModelHandle:
+    """``result`` if it is a usable model handle for what ``pass_`` returned, else a :class:`PluginError`.
+
+    A pass that returns ``None``, something that is not a model handle, or a handle whose
+    files are gone (a scratch file it deleted) has failed, whatever it meant to do.
+    """
+    where = f"{label}: " if label else ""
+    who = f"{where}pass {pass_.name} (plugin {getattr(pass_, 'plugin', '?')})"
+    if result is None:
+        raise PluginError(f"{who} returned no model (None); it must return the model it made")
+    if not isinstance(result, ModelHandle):
+        raise PluginError(f"{who} returned a {type(result).__name__}, not a model handle (bitpress.models.ModelHandle)")
+    missing = _missing_file(result)
+    if missing:
+        raise PluginError(f"{who} returned a model whose file {missing} is missing")
+    return result
 
 
 @dataclass
@@ -98,10 +273,10 @@ class Registry:
         self.plugins[ep.name] = info
         try:
             plugin = ep.load()
-        except BaseException as exc:
+        except BaseException as exc:  # SystemExit, GeneratorExit and custom BaseExceptions too
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            self._mark_broken(info, exc)
+            self._mark_broken(info, exc, "at import")
             return
         self.register(plugin, name=ep.name, info=info)
 
@@ -133,16 +308,38 @@ class Registry:
                 cls.plugin = name
                 self.passes[cls.name] = cls
                 info.passes.append(cls.name)
-        except Exception as exc:
+            self._guard_hooks(plugin, name)
+        except BaseException as exc:  # SystemExit, GeneratorExit and custom BaseExceptions too
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             if self.pm.is_registered(plugin):
                 self.pm.unregister(plugin)
             for pname in info.passes:
                 self.passes.pop(pname, None)
             info.passes.clear()
-            self._mark_broken(info, exc)
+            self._mark_broken(info, exc, "while registering its passes")
 
-    def _mark_broken(self, info: PluginInfo, exc: BaseException) -> None:
-        info.error = f"{type(exc).__name__}: {exc}"
+    def _guard_hooks(self, plugin: Any, name: str) -> None:
+        """Wrap the plugin's hook implementations (loading, saving, pass wrappers) in fault guards.
+
+        ``bitpress_register_passes`` has been called already, inside :meth:`register`'s own guard.
+        """
+        for caller in self.pm.get_hookcallers(plugin) or []:
+            if caller.name == "bitpress_register_passes":
+                continue
+            for impl in caller.get_hookimpls():
+                if impl.plugin is plugin and not getattr(impl.function, "_bitpress_guarded", False):
+                    guarded = _guarded(impl.function, name, caller.name, tuple(impl.argnames))
+                    guarded._bitpress_guarded = True  # type: ignore[attr-defined]
+                    impl.function = guarded  # type: ignore[misc]  # pluggy calls impl.function
+
+    def _mark_broken(self, info: PluginInfo, exc: BaseException, stage: str = "") -> None:
+        text = " ".join(str(exc).split())
+        if isinstance(exc, SystemExit):
+            text = f"sys.exit({exc.code!r})" if not isinstance(exc.code, str) else text
+        info.error = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        if stage:
+            info.error += f" ({stage})"
         info.detail = "".join(traceback.format_exception(exc))
         log.warning("plugin %s is broken and was skipped: %s", info.name, info.error)
         log.debug("plugin %s failed with:\n%s", info.name, info.detail)  # shown with --verbose
@@ -163,10 +360,27 @@ class Registry:
             cls = next((c for n, c in self.passes.items() if n.casefold() == key), None)
         return cls
 
+    def check_not_broken(self, name: str, what: str = "pass") -> None:
+        """Raise :class:`PassUnavailableError` when ``name`` is unknown but names a broken plugin.
+
+        A plugin's passes are usually named after it; when it failed to import or register, the
+        user asked for something that exists but cannot run (exit code 1), not for a typo.
+        """
+        key = str(name).casefold()
+        info = next((p for p in self.broken() if p.name.casefold() == key), None)
+        if info is None:
+            return
+        dist = f" ({info.distribution} {info.version})" if info.distribution else ""
+        raise PassUnavailableError(
+            f"{what} {name!r} is unavailable: plugin {info.name}{dist} failed to load ({info.error}); "
+            "fix or uninstall it (see `bitpress plugins`)"
+        )
+
     def pass_named(self, name: str) -> type[Pass]:
         """:meth:`find_pass`, raising "no pass named ...; did you mean ...?" when there is none."""
         cls = self.find_pass(name)
         if cls is None:
+            self.check_not_broken(name)
             raise _not_found(f"no pass named {name!r}{did_you_mean(name, self.passes)} (see `bitpress passes list`)"
                              f"{self._hint()}", "type")
         return cls
@@ -190,6 +404,7 @@ class Registry:
         by_algo = [c for c in self.passes.values()
                    if algo in (a.casefold() for a in c.algorithms) or c.name.casefold() == algo]
         if not by_algo:
+            self.check_not_broken(algorithm, "algorithm")
             known = sorted({a for c in self.passes.values() for a in c.algorithms})
             hint = did_you_mean(algorithm, [*known, *self.passes])
             raise _not_found(

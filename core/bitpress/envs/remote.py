@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -80,17 +81,21 @@ class EnvPass(Pass):
         super().__init__(options)
         #: the options exactly as the user gave them: the worker parses them with the real types
         self.given: dict[str, Any] = {}
+        #: whether ``given`` came typed (a config, Python: the worker checks the types strictly) or as
+        #: command-line strings (the worker coerces them)
+        self.strict = False
         self.precision: str | None = None
         self.env_timeout: float | None = None
 
     @classmethod
-    def from_config(cls, values: dict[str, Any] | None, precision: str | None = None) -> EnvPass:
-        values = dict(values or {})
+    def from_config(cls, values: dict[str, Any] | None, precision: str | None = None, *,
+                    strict: bool = False) -> EnvPass:
         # names (and the precision) are checked here, before any work; the option types are
         # known only inside the environment, where the worker checks them before loading the model
-        instance = super().from_config(values, precision)
+        instance = super().from_config(values, precision, strict=strict)
         assert isinstance(instance, EnvPass)
-        instance.given = values
+        instance.given = dict(values or {})
+        instance.strict = strict
         instance.precision = precision
         return instance
 
@@ -293,6 +298,7 @@ def run_in_env(pass_: EnvPass, model: ModelHandle, context: PassContext) -> Mode
         "pass": name,
         "precision": pass_.precision,
         "options": pass_.given,
+        "strict": pass_.strict,
         "model": str(folders["input"] / model_name),
         "source": str(origin),
         "output": str(folders["output"] / model_name),
@@ -317,6 +323,9 @@ def run_in_env(pass_: EnvPass, model: ModelHandle, context: PassContext) -> Mode
         # only the output stays (until the run ends): the input copy and scratch can be large
         for key in ("input", "cwd", "tmp", "work"):
             shutil.rmtree(folders[key], ignore_errors=True)
+    typed = result.get("options")
+    if isinstance(typed, dict) and set(typed) == set(pass_.given):
+        pass_.given = typed  # as the worker typed them: a saved config (--save-config) holds those values
     out = OnnxModel.load(output)
     out.external_source = getattr(model, "external_source", False)  # the files crossed as external data
     out.bitpress_origin = origin  # type: ignore[attr-defined]  # where the run's data (tokenizer) lives
@@ -324,6 +333,163 @@ def run_in_env(pass_: EnvPass, model: ModelHandle, context: PassContext) -> Mode
         context.extras.setdefault("reports", []).append((rep.get("pass", name), origin, RemoteReport(rep["summary"])))
     log.info("pass %s ran in environment %s in %.1f s", name, env, result.get("seconds", 0.0))
     return out
+
+
+# -- isolation: a pass in a worker process of this environment (--isolate) ---------------------------------
+#: the name an isolated worker's log records and output are shown under (logger ``bitpress.env.isolated``)
+ISOLATED = "isolated"
+
+
+def isolated_environ(**extra: str) -> dict[str, str]:
+    """The environment variables of an isolated worker: this process's, with its import path.
+
+    The worker runs this environment's Python (``sys.executable``), so unlike a plugin
+    environment's worker it keeps ``VIRTUAL_ENV`` and ``PYTHONPATH``; ``PYTHONPATH`` is set to
+    this process's ``sys.path`` so the worker finds the very plugins the host found, also
+    those on a path added at run time. ``BITPRESS_NO_ENVS`` keeps the worker from offering
+    passes of plugin environments: it runs the pass it is given, here.
+    """
+    env = dict(os.environ)
+    paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    env[NO_ENVS_VAR] = "1"
+    env["PYTHONUNBUFFERED"] = "1"  # log lines must reach the host as they are written
+    env["PYTHONIOENCODING"] = "utf-8"
+    env.update(extra)
+    return env
+
+
+def signal_name(signum: int) -> str:
+    """``SIGABRT`` for 6; the number for a signal Python does not name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
+def run_isolated(pass_: Pass, model: ModelHandle, context: PassContext) -> ModelHandle:
+    """Run ``pass_`` (a pass of this environment) in a worker process of this environment.
+
+    The model crosses as files, as for a plugin environment (:func:`run_in_env`); the worker is
+    ``sys.executable -m bitpress.envs.worker job.json``, with this process's import path. A
+    worker that dies by a signal (abort, segfault), exits with a non-zero code, or exits without
+    a result is a clean :class:`~bitpress.envs.protocol.WorkerError`; the run then writes nothing.
+    """
+    import pickle
+
+    from bitpress.models.onnx_model import OnnxModel
+    from bitpress.onnx.save import SaveOptions, save_onnx
+    from bitpress.options import as_dict
+
+    name, plugin = pass_.name, getattr(pass_, "plugin", "?")
+    if not isinstance(model, OnnxModel):
+        raise UsageError(f"pass {name} cannot run isolated: an isolated worker exchanges ONNX models only, "
+                         f"and the model is {model.kind}; run it without --isolate / 'isolate: true'")
+    if not sys.executable:
+        raise WorkerError(f"pass {name} cannot run isolated: this Python does not know its interpreter "
+                          "(sys.executable)")
+    job_dir = _workdir(context) / f"isolated-{name}-{uuid.uuid4().hex[:8]}"
+    folders = {k: job_dir / k for k in ("input", "output", "cwd", "tmp", "work")}
+    for folder in folders.values():
+        folder.mkdir(parents=True)
+    origin = getattr(model, "bitpress_origin", model.source)
+    model_name = model.source.name if model.source.suffix == ".onnx" else "model.onnx"
+    t0 = time.perf_counter()
+    save_onnx(model, folders["input"] / model_name, SaveOptions(external_data=True, check=False))
+    log.debug("saved the model for the isolated worker in %.1f s", time.perf_counter() - t0)
+    try:
+        options = json.loads(json.dumps(as_dict(pass_.options), default=str))
+    except TypeError:  # options that are not a dataclass
+        options = {}
+    job: dict[str, Any] = {
+        "protocol": PROTOCOL,
+        "pass": name,
+        "precision": None,  # the options below already hold what the precision implied
+        "options": options,
+        "strict": False,
+        "isolated": True,
+        "model": str(folders["input"] / model_name),
+        "source": str(origin),
+        "output": str(folders["output"] / model_name),
+        "result": str(job_dir / "result.json"),
+        "workdir": str(folders["work"]),
+        "data": _job_data(context.data, Path(origin)),
+        "jobs": context.jobs,
+        "log_level": logging.getLogger("bitpress").getEffectiveLevel(),
+        # the same interpreter reads them back: the pass's options exactly, its reports whole
+        "options_pickle": str(job_dir / "options.pickle"),
+        "reports_pickle": str(job_dir / "reports.pickle"),
+    }
+    try:
+        Path(job["options_pickle"]).write_bytes(pickle.dumps(pass_.options))
+    except Exception:  # options of a class the worker could not import: it parses the values above
+        log.debug("the options of pass %s cannot be pickled; the worker parses them", name, exc_info=True)
+        del job["options_pickle"]
+    job_path = job_dir / "job.json"
+    job_path.write_text(json.dumps(job, indent=2, default=str))
+    timeout = _timeout(pass_)
+    log.info("running pass %s isolated, in a worker process", name)
+    try:
+        rc, _tail = _run_worker(pass_, Path(sys.executable), job_path, folders["cwd"], folders["tmp"], timeout,
+                               isolated=True)
+        result = _read_result(Path(job["result"]))
+        if rc != 0 or not result.get("ok"):
+            raise _isolated_failure(name, plugin, rc, result)
+        output = Path(result.get("output") or job["output"]).resolve()
+        if not output.is_relative_to(folders["output"].resolve()) or not output.is_file():
+            raise WorkerError(f"pass {name} (plugin {plugin}): its worker reported an output outside its folder: "
+                              f"{output}; nothing was written")
+        reports = _isolated_reports(Path(job["reports_pickle"]), result, name)
+    finally:
+        # only the output stays (until the run ends): the input copy and scratch can be large
+        for key in ("input", "cwd", "tmp", "work"):
+            shutil.rmtree(folders[key], ignore_errors=True)
+    out = OnnxModel.load(output)
+    out.external_source = getattr(model, "external_source", False)  # the files crossed as external data
+    out.package_root = getattr(model, "package_root", None)
+    out.bitpress_origin = origin  # type: ignore[attr-defined]  # where the run's data (tokenizer) lives
+    for rep_name, rep in reports:
+        context.extras.setdefault("reports", []).append((rep_name, origin, rep))
+    log.info("pass %s ran isolated in %.1f s", name, result.get("seconds", 0.0))
+    return out
+
+
+def _isolated_reports(path: Path, result: dict[str, Any], name: str) -> list[tuple[str, Any]]:
+    """The pass's reports as the worker pickled them (whole), else as it summarised them."""
+    import pickle
+
+    try:
+        with open(path, "rb") as f:
+            reports = pickle.load(f)  # written by our own worker into this run's folder
+        if isinstance(reports, list) and all(isinstance(r, tuple) and len(r) == 2 for r in reports):
+            return reports
+    except Exception:
+        log.debug("the isolated worker's reports cannot be read back; using their summaries", exc_info=True)
+    return [(rep.get("pass", name), RemoteReport(rep["summary"])) for rep in result.get("reports") or []
+            if isinstance(rep, dict) and "summary" in rep]
+
+
+def _isolated_failure(name: str, plugin: str, rc: int, result: dict[str, Any]) -> BitpressError:
+    """The error for an isolated worker that failed: its own error, or how it died."""
+    who = f"pass {name} (plugin {plugin})"
+    error = result.get("error")
+    if isinstance(error, dict):
+        detail = error.get("traceback")
+        if detail:
+            log.debug("%s failed in its worker with:\n%s", who, detail)
+        type_name, message = str(error.get("type", "Error")), str(error.get("message", "")).strip()
+        cls = getattr(_errors, type_name, None) or getattr(protocol, type_name, None)
+        if isinstance(cls, type) and issubclass(cls, BitpressError):
+            if issubclass(cls, PassNotFoundError):
+                message += ("; an isolated pass must come from an installed plugin (an entry point in the "
+                            "'bitpress' group), which its worker loads")
+            return cls(f"{message} (in its isolated worker)")
+        return WorkerError(f"{who} failed in its worker: {type_name}: {message}; nothing was written")
+    if rc < 0:
+        return WorkerError(f"{who} crashed in its worker (signal {signal_name(-rc)}); nothing was written "
+                           "(-v shows the worker's output)")
+    return WorkerError(f"{who}: its worker exited with code {rc} without a result; nothing was written "
+                       "(-v shows the worker's output)")
 
 
 _fallback_dirs: list[str] = []
@@ -358,9 +524,10 @@ def _job_data(data: Any, origin: Path) -> dict[str, Any] | None:
     return config
 
 
-def _timeout(pass_: EnvPass) -> float | None:
-    if pass_.env_timeout is not None:
-        return parse_timeout(pass_.env_timeout)
+def _timeout(pass_: Pass) -> float | None:
+    """``env_timeout`` of the pass (a config's, ``--env-timeout``), else ``BITPRESS_ENV_TIMEOUT``."""
+    if getattr(pass_, "env_timeout", None) is not None:
+        return parse_timeout(pass_.env_timeout)  # type: ignore[attr-defined]
     value = os.environ.get(TIMEOUT_VAR)
     return parse_timeout(value, TIMEOUT_VAR) if value else None
 
@@ -377,23 +544,29 @@ def parse_timeout(value: Any, what: str = "env timeout") -> float:
 
 
 def _run_worker(
-    pass_: EnvPass, python: Path, job_path: Path, cwd: Path, tmp: Path, timeout: float | None
+    pass_: Pass, python: Path, job_path: Path, cwd: Path, tmp: Path, timeout: float | None, *,
+    isolated: bool = False,
 ) -> tuple[int, list[str]]:
-    env_name = pass_.env
+    """Run the worker on ``job_path``; ``isolated``: a worker of this environment (``--isolate``)."""
+    env_name = ISOLATED if isolated else pass_.env  # type: ignore[attr-defined]
+    tag = "worker" if isolated else f"env:{env_name}"
     cmd = [str(python), "-m", "bitpress.envs.worker", str(job_path)]
-    environ = child_environ(pass_.env_dir, TMPDIR=str(tmp), TMP=str(tmp), TEMP=str(tmp))
+    if isolated:
+        environ = isolated_environ(TMPDIR=str(tmp), TMP=str(tmp), TEMP=str(tmp))
+    else:
+        environ = child_environ(pass_.env_dir, TMPDIR=str(tmp), TMP=str(tmp), TEMP=str(tmp))  # type: ignore[attr-defined]
     group: dict[str, Any] = (
         {"start_new_session": True} if os.name == "posix"
         else {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0)}
     )
     tail: deque[str] = deque(maxlen=40)
-    log.debug("environment %s: %s (cwd %s)", env_name, " ".join(cmd), cwd)
+    log.debug("%s: %s (cwd %s)", tag, " ".join(cmd), cwd)
     proc = subprocess.Popen(cmd, cwd=cwd, env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, encoding="utf-8", errors="replace", **group)
     assert proc.stdout is not None and proc.stderr is not None
     pumps = [
-        threading.Thread(target=_pump_output, args=(proc.stdout, env_name, tail), daemon=True),
-        threading.Thread(target=_pump_records, args=(proc.stderr, env_name, tail), daemon=True),
+        threading.Thread(target=_pump_output, args=(proc.stdout, env_name, tail, tag), daemon=True),
+        threading.Thread(target=_pump_records, args=(proc.stderr, env_name, tail, tag), daemon=True),
     ]
     for t in pumps:
         t.start()
@@ -402,8 +575,9 @@ def _run_worker(
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         _join(pumps, 2.0)
+        where_ = f"pass {pass_.name}" + ("" if isolated else f" in environment {env_name!r}")
         raise WorkerTimeoutError(
-            f"pass {pass_.name} in environment {env_name!r} did not finish within {timeout:g} s; "
+            f"{where_} did not finish within {timeout:g} s; "
             "its worker and every process it started were killed; nothing was written"
         ) from None
     except BaseException:  # Ctrl-C, or anything else here: never leave the worker running
@@ -438,18 +612,20 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _pump_output(stream: IO[str], env_name: str, tail: deque[str]) -> None:
+def _pump_output(stream: IO[str], env_name: str, tail: deque[str], tag: str | None = None) -> None:
     """The worker's stdout and stderr (prints of vendor toolkits): logged at INFO, kept for errors."""
     logger = logging.getLogger(f"bitpress.env.{env_name}")
+    tag = tag or f"env:{env_name}"
     for line in stream:
         line = line.rstrip()
         if line:
             tail.append(line)
-            logger.info("[env:%s] %s", env_name, line)
+            logger.info("[%s] %s", tag, line)
 
 
-def _pump_records(stream: IO[str], env_name: str, tail: deque[str]) -> None:
+def _pump_records(stream: IO[str], env_name: str, tail: deque[str], tag: str | None = None) -> None:
     """The worker's log records (JSON lines), re-emitted by this host's loggers at their level."""
+    tag = tag or f"env:{env_name}"
     for line in stream:
         line = line.rstrip()
         if not line:
@@ -461,7 +637,7 @@ def _pump_records(stream: IO[str], env_name: str, tail: deque[str]) -> None:
         if not isinstance(rec, dict) or "msg" not in rec:
             # written before the worker took over its streams (e.g. an interpreter that cannot start)
             tail.append(line)
-            logging.getLogger(f"bitpress.env.{env_name}").warning("[env:%s] %s", env_name, line)
+            logging.getLogger(f"bitpress.env.{env_name}").warning("[%s] %s", tag, line)
             continue
         level = int(rec.get("level", logging.INFO))
         src = str(rec.get("name") or "root")
@@ -469,7 +645,7 @@ def _pump_records(stream: IO[str], env_name: str, tail: deque[str]) -> None:
         msg = str(rec["msg"])
         if level >= logging.WARNING:
             tail.append(msg)
-        logging.getLogger(target).log(level, "[env:%s] %s", env_name, msg)
+        logging.getLogger(target).log(level, "[%s] %s", tag, msg)
 
 
 def _read_result(path: Path) -> dict[str, Any]:
@@ -494,6 +670,8 @@ def _failure(pass_: EnvPass, rc: int, result: dict[str, Any], tail: list[str]) -
             return cls(f"{message} (in environment {pass_.env!r})")
         return WorkerError(f"{where_} failed: {type_name}: {message}")
     died = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+    if rc < 0 and signal_name(-rc) != str(-rc):
+        died += f" ({signal_name(-rc)})"
     last = "\n".join(tail[-15:])
     return WorkerError(
         f"{where_}: the worker {died} without a result (a crash inside the environment?)"
@@ -510,5 +688,6 @@ __all__ = [
     "make_proxy",
     "pinned_pass",
     "run_in_env",
+    "run_isolated",
     "where",
 ]

@@ -17,10 +17,16 @@ and the worker writes ``result.json``: ``{"ok": true, "output": ..., "files": [.
 (``{"level", "name", "msg"}``); everything else written to stdout or stderr (vendor toolkits
 print a lot, C libraries write to the file descriptors) is sent to stdout, so the host can tell
 the two apart. Options are parsed with their real types first, before the model is read.
+
+An isolated job (``bitpress quantize --isolate``: this worker runs the host's own interpreter)
+adds ``"isolated": true``, ``"options_pickle"`` (the host's options object, used as it is) and
+``"reports_pickle"`` (where the pass's reports are written back whole). ``faulthandler`` is on:
+a native crash prints Python's stack to the output the host keeps.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -83,12 +89,26 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     from bitpress.errors import UsageError
     from bitpress.models.onnx_model import OnnxModel
     from bitpress.passes import PassContext
-    from bitpress.plugins import get_registry
+    from bitpress.plugins import check_result, get_registry
 
-    registry = get_registry()
+    isolated = bool(job.get("isolated"))
+    plugins_log = logging.getLogger("bitpress.plugins")
+    level = plugins_log.level
+    if isolated:  # a worker of the host's own environment: the host reported its broken plugins already
+        plugins_log.setLevel(logging.ERROR)
+    try:
+        registry = get_registry()
+    finally:
+        plugins_log.setLevel(level)
     cls = registry.get_pass(str(job["pass"]))
-    # first thing: the options with their real types, before any model is read
-    pass_ = cls.from_config(job.get("options") or {}, job.get("precision"))
+    # first thing: the options with their real types, before any model is read; values from a
+    # config file or Python must have them already (strict), command-line strings are coerced
+    given = job.get("options") or {}
+    options = _pickled_options(job, cls) if isolated else None
+    if options is not None:  # the host's own options object (same interpreter), checked there already
+        pass_ = cls(options)
+    else:
+        pass_ = cls.from_config(given, job.get("precision"), strict=bool(job.get("strict", False)))
     log.debug("pass %s with options %s", cls.name, pass_.options)
     model = registry.hook.bitpress_load_model(source=Path(job["model"]), options={})
     if model is None:
@@ -102,8 +122,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         model.use_workdir(context.workdir)
     t0 = time.perf_counter()
     result = registry.hook.bitpress_run_pass(pass_=pass_, model=model, context=context)
-    if result is None:
-        raise UsageError(f"no plugin ran pass {cls.name}")
+    # None, not a model handle, or a handle whose files are gone: the pass failed (named, with its plugin)
+    result = check_result(pass_, result)
     seconds = time.perf_counter() - t0
     output = Path(job["output"])
     # external data always: the host reads the result from here, and models may exceed 2 GB
@@ -119,8 +139,50 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         {"pass": name, "summary": rep.summary() if hasattr(rep, "summary") else str(rep)}
         for name, _src, rep in context.extras.get("reports", [])
     ]
+    if isolated and job.get("reports_pickle"):
+        _pickle_reports(Path(job["reports_pickle"]), context.extras.get("reports", []))
     return {"output": str(output), "files": [str(f) for f in files], "reports": reports, "seconds": seconds,
-            "prefix": sys.prefix}
+            "prefix": sys.prefix, "options": _typed_options(pass_, given)}
+
+
+def _pickled_options(job: dict[str, Any], cls: Any) -> Any:
+    """The options object an isolated job's host pickled (it runs this interpreter), or None."""
+    import pickle
+
+    path = job.get("options_pickle")
+    if not path or not Path(path).is_file():
+        return None
+    try:
+        with open(path, "rb") as f:
+            options = pickle.load(f)  # written by the host that started this worker, in its run folder
+    except Exception:
+        log.debug("cannot read the pickled options; parsing them", exc_info=True)
+        return None
+    return options if isinstance(options, cls.Options) else None
+
+
+def _pickle_reports(path: Path, reports: list[Any]) -> None:
+    """The pass's reports, whole, for the host of an isolated job (which runs this interpreter)."""
+    import pickle
+
+    try:
+        data = pickle.dumps([(name, rep) for name, _src, rep in reports])
+    except Exception:
+        log.debug("the reports cannot be pickled; the host gets their summaries", exc_info=True)
+        return
+    path.write_bytes(data)
+
+
+def _typed_options(pass_: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """The options the host gave, with the types the pass gave them (JSON values)."""
+    from bitpress.options import as_dict
+
+    try:
+        values = as_dict(pass_.options)
+    except TypeError:
+        return {}
+    typed = {key: values[key] for key in given if key in values}
+    return json.loads(json.dumps(typed, default=str))
 
 
 def _write_result(path: Path, result: dict[str, Any]) -> None:
@@ -136,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     job_path = Path(args[0])
     records = _take_streams()
+    # a native crash (abort, segfault) prints the Python stack to the worker's output: the host
+    # shows it with -v and in its log, and reports the signal the worker died of
+    faulthandler.enable(file=sys.stderr, all_threads=False)
     _setup_logging(records, logging.WARNING)
     result_path = job_path.with_name("result.json")
     try:
