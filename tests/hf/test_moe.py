@@ -119,7 +119,8 @@ def test_moe_config_without_a_resolvable_experts_subtree_is_refused(mixtral: Any
 def test_fused_experts_save_reload_and_are_not_exported(mixtral: Any, tmp_path: Path) -> None:
     model = mixtral()
     quantize(model, moe=True)
-    with pytest.raises(QuantizationError, match=r"3-D quantized tensor .*does not export"):
+    with pytest.raises(QuantizationError, match=r"^4 tensors are fused MoE experts, quantized in 3-D \(model\."
+                       r"layers\.0\.mlp\.experts\.gate_up_proj, .* and 1 more\): .*does not export"):
         check_exportable(model)
     checkpoint.save_model(model, tmp_path / "q")
     again, qc = checkpoint.load_model(tmp_path / "q")
@@ -132,3 +133,118 @@ def test_fused_experts_save_reload_and_are_not_exported(mixtral: Any, tmp_path: 
     quantize(plain)  # experts float: refused all the same, the routing cannot be traced
     with pytest.raises(QuantizationError, match="mixture-of-experts models are not exported"):
         check_exportable(plain)
+
+
+# -- fail-closed per block: every expert of every block, whatever each block calls its experts -------------
+class Router(nn.Module):
+    """A MoE block of another shape: a gate Linear (one output per expert) beside expert containers."""
+
+    def __init__(self, shape: str) -> None:
+        super().__init__()
+        if shape == "block_sparse_moe_lists":  # w1 / w2 / w3 lists of per-expert linears
+            self.gate = nn.Linear(64, 4, bias=False)
+            self.w1 = nn.ModuleList([nn.Linear(64, 96, bias=False) for _ in range(4)])
+            self.w2 = nn.ModuleList([nn.Linear(96, 64, bias=False) for _ in range(4)])
+            self.w3 = nn.ModuleList([nn.Linear(64, 96, bias=False) for _ in range(4)])
+        elif shape == "moe_experts_list":
+            self.gate = nn.Linear(64, 4, bias=False)
+            self.experts_list = nn.ModuleList([ExpertMLP() for _ in range(4)])
+        elif shape == "list_beside_router":  # no telling name at all: a list of identical MLPs beside a router
+            self.router = nn.Linear(64, 4, bias=False)
+            self.specialists = nn.ModuleList([ExpertMLP() for _ in range(4)])
+        else:  # as many identical MLPs as the config has experts, router not an nn.Linear
+            self.specialists = nn.ModuleList([ExpertMLP() for _ in range(4)])
+
+
+#: layer 1's MoE block: where it sits, and where its expert linears are
+SHAPES = {
+    "block_sparse_moe_lists": ("block_sparse_moe", "model.layers.1.block_sparse_moe.w"),
+    "moe_experts_list": ("mlp.moe", "model.layers.1.mlp.moe.experts_list."),
+    "list_beside_router": ("mlp", "model.layers.1.mlp.specialists."),
+    "list_of_config_experts": ("mlp", "model.layers.1.mlp.specialists."),
+}
+
+
+def mixed_model(mixtral: Any, shape: str) -> Any:
+    """Layer 0: ``mlp.experts.N.*`` (per-expert list); layer 1: another container (SHAPES)."""
+    model = mixtral()
+    model.model.layers[0].mlp.experts = nn.ModuleList([ExpertMLP() for _ in range(4)])
+    layer = model.model.layers[1]
+    where, _ = SHAPES[shape]
+    if where == "block_sparse_moe":
+        del layer.mlp
+        layer.block_sparse_moe = Router(shape)
+    elif where == "mlp.moe":
+        layer.mlp = nn.Module()
+        layer.mlp.moe = Router(shape)
+    else:
+        layer.mlp = Router(shape)
+    return model
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_every_expert_of_every_block_is_excluded_with_moe_false(mixtral: Any, shape: str) -> None:
+    model = mixed_model(mixtral, shape)
+    _, experts_prefix = SHAPES[shape]
+    expert_linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)
+                      and (n.startswith("model.layers.0.mlp.experts.") or n.startswith(experts_prefix))}
+    assert len(expert_linears) == (20 if shape == "block_sparse_moe_lists" else 16)
+    quantize(model)
+    names = quantized(model)
+    assert names and all("self_attn" in n for n in names), names  # no expert, in either layer
+    model = mixed_model(mixtral, shape)
+    quantize(model, moe=True)
+    names = quantized(model)
+    assert {f"{n}.weight" for n in expert_linears} <= names  # moe=true: every expert linear, in both layers
+    assert not any(n.endswith(("gate.weight", "router.weight")) for n in names)  # routers stay float
+
+
+def test_a_router_without_experts_beside_it_is_refused_before_anything_is_touched(mixtral: Any) -> None:
+    model = mixtral()
+    layer = model.model.layers[1]  # layer 0 keeps `experts`; layer 1 calls its fused experts something else
+    layer.mlp.specialists = layer.mlp.experts
+    del layer.mlp.experts
+    before = param_ids(model)
+    for moe in (False, True):
+        with pytest.raises(QuantizationError) as info:
+            quantize(model, moe=moe)
+        message = str(info.value)
+        assert message.startswith("model.layers.1.mlp has a router but no experts found beside it"), message
+        assert "router model.layers.1.mlp.gate, modules: gate, specialists" in message
+        assert param_ids(model) == before and not quantized(model)
+
+
+def test_plain_torch_blocks_without_a_config_are_fail_closed_too() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(64, 64, bias=False)
+            self.gate = nn.Linear(64, 3, bias=False)
+            self.ffn = nn.ModuleList([ExpertMLP() for _ in range(3)])
+
+    model = nn.Sequential(Block(), Block())
+    assert set(hfq.find_experts(model).roots) == {"0.ffn", "1.ffn"}
+    quantize(model)
+    assert quantized(model) == {"0.proj.weight", "1.proj.weight"}
+    quantize(model, moe=True)
+    assert {f"{b}.ffn.{e}.{w}.weight" for b in "01" for e in range(3) for w in ("w1", "w2")} <= quantized(model)
+    assert not any(".gate." in n for n in quantized(model))
+
+
+def test_identical_lists_that_are_not_experts_stay_linears(llama: Any) -> None:
+    model = llama(tied=False, num_hidden_layers=4)
+    assert not hfq.find_experts(model).roots  # decoder layers are not MLPs; no router, no config count
+    quantize(model)
+    assert "model.layers.3.mlp.down_proj.weight" in quantized(model)
+
+
+def test_fused_layout_errors_are_one_sentence_for_all_tensors(mixtral: Any) -> None:
+    model = mixtral()
+    for layer in model.model.layers:
+        layer.mlp.experts.is_transposed = True
+    with pytest.raises(QuantizationError) as info:
+        quantize(model, moe=True)
+    message = str(info.value)
+    assert message.startswith("4 fused expert tensors (model.layers.0.mlp.experts.gate_up_proj, "), message
+    assert "and 1 more): MixtralExperts stores fused experts transposed" in message
+    assert message.count("transposed as (E, K, OUT)") == 1

@@ -38,7 +38,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from bitpress.errors import OutputError, QuantizationError, ValidationError
+from bitpress.errors import OutputError, QuantizationError, ValidationError, summarize_names, summarize_problems
 from bitpress.models.base import ModelHandle
 from bitpress.models.hf_model import HfModel
 from bitpress.models.onnx_model import OnnxModel
@@ -95,28 +95,36 @@ def check_exportable(model: nn.Module) -> None:
     """Raise before any tracing when the graph cannot carry the model's quantized weights."""
     from bitpress.hf.checkpoint import parameter_groups
     from bitpress.hf.qtensor import QuantTensor
-    from bitpress.hf.quantize import config_is_moe
+    from bitpress.hf.quantize import config_is_moe, find_experts
 
-    problems = []
+    fused: list[str] = []
+    by_bits: dict[int, list[str]] = {}
     for names, value in parameter_groups(model):
         if not isinstance(value, QuantTensor):
             continue
         if len(value.spec.shape) != 2:
-            problems.append(
-                f"{names[0]} is a {len(value.spec.shape)}-D quantized tensor (fused MoE experts): bitpress stores "
-                "them but does not export them to ONNX; export the experts with ONNX Runtime GenAI's model "
-                "builder or Mobius instead"
-            )
+            fused.append(names[0])
         elif value.spec.bits not in EXPORT_BITS:
-            problems.append(
-                f"{names[0]} is quantized to {value.spec.bits} bits: ONNX Runtime's MatMulNBits / "
-                f"GatherBlockQuantized are written for {' and '.join(map(str, EXPORT_BITS))} bits only, so 2-bit "
-                "checkpoints stay PyTorch-only; quantize with bits=4 or 8 to export"
-            )
+            by_bits.setdefault(value.spec.bits, []).append(names[0])
+    # one sentence per kind of problem, with a count and a few names (not one sentence per tensor)
+    problems = []
+    if fused:
+        what = f"{len(fused)} tensors are" if len(fused) > 1 else "1 tensor is"
+        problems.append(
+            f"{what} fused MoE experts, quantized in 3-D ({summarize_names(fused)}): bitpress stores them but does "
+            "not export them to ONNX; export the experts with ONNX Runtime GenAI's model builder or Mobius instead"
+        )
+    for bits, names in sorted(by_bits.items()):
+        what = f"{len(names)} tensors are" if len(names) > 1 else "1 tensor is"
+        problems.append(
+            f"{what} {bits}-bit ({summarize_names(names)}): ONNX export needs "
+            f"{' or '.join(map(str, EXPORT_BITS))} bits (ONNX Runtime's MatMulNBits / GatherBlockQuantized are "
+            f"written for those), so {bits}-bit checkpoints stay PyTorch-only; quantize with bits=4 or 8 to export"
+        )
     if problems:
         raise QuantizationError("; ".join(problems))
     config = getattr(model, "config", None)
-    if config is not None and config_is_moe(config):
+    if (config is not None and config_is_moe(config)) or find_experts(model).roots:
         raise QuantizationError(
             "mixture-of-experts models are not exported: the expert routing is data dependent and a traced graph "
             "would freeze the experts chosen for the sample input; use ONNX Runtime GenAI's model builder or Mobius"
@@ -255,26 +263,26 @@ def rewrite(onnx_model: OnnxModel, qparams: dict[str, Any]) -> list[str]:
     opts = WeightOnlyOptions(nodes_to_include=list(present), overrides=overrides, gather_min_rows=1)
     p = plan(onnx_model, opts)
     groups = {g.weight: g for g in p.groups}
-    problems = []
+    problems: list[tuple[str, str]] = []
     writer = Writer(onnx_model, accuracy_level=0)
     for name, qt in present.items():
         group = groups.get(name)
         spec = qt.spec
         if group is None:
             why = p.skipped.get(name) or "it is not read as the weight of a MatMul, Gemm or Gather node"
-            problems.append(f"{name}: {why}")
+            problems.append((name, why))
             continue
         if not group.uses[0].rows_are_table_rows:
-            problems.append(f"{name}: the graph multiplies by the weight untransposed; not a Linear/Embedding use")
+            problems.append((name, "the graph multiplies by the weight untransposed; not a Linear/Embedding use"))
             continue
         if (group.bits, group.block_size, group.symmetric) != (spec.bits, spec.group_size, spec.symmetric):
-            problems.append(f"{name}: the graph needs block size {group.block_size}, the checkpoint has "
-                            f"{spec.group_size} ({p.notes.get(name, '')})")
+            problems.append((name, f"the graph needs block size {group.block_size}, the checkpoint has "
+                                   f"{spec.group_size} ({p.notes.get(name, '')})"))
             continue
         writer.write(_result(Result, group, qt))
     if problems:
         raise QuantizationError("cannot write the checkpoint's quantized weights into the ONNX graph: "
-                                + "; ".join(problems))
+                                + summarize_problems(problems))
     writer.finish()
     left = set(present) & set(onnx_model.initializers())
     if left:

@@ -6,10 +6,13 @@ before any parameter is touched; :func:`apply` then solves each parameter with t
 :class:`~bitpress.hf.qtensor.QuantTensor`. Modules are not replaced.
 
 Targets: ``nn.Linear`` weights (category ``linear``, or ``lm_head`` for the output embeddings),
-``nn.Embedding`` tables (``embeds``), and under an experts subtree (a module named ``experts``)
+``nn.Embedding`` tables (``embeds``), and under an experts subtree (:func:`find_experts`: a module
+named like ``experts`` / ``moe`` / ``block_sparse``, or a list of identical MLPs beside a router)
 either ``nn.Linear`` weights of per-expert lists or the 3-D parameters of a fused experts module
-(``moe``). Weights are quantized along their last axis (K for ``[OUT, K]`` linears, hidden for
-``[vocab, hidden]`` tables, K for fused ``(E, OUT, K)`` experts), in blocks of ``group_size``.
+(``moe``). Routers stay float. A MoE block whose router has no experts found beside it stops
+the run before anything is touched, whatever ``moe`` says (fail-closed, per block). Weights are
+quantized along their last axis (K for ``[OUT, K]`` linears, hidden for ``[vocab, hidden]`` tables,
+K for fused ``(E, OUT, K)`` experts), in blocks of ``group_size``.
 
 Tied parameters (one ``nn.Parameter`` reached from several modules, e.g. the input embedding
 and the LM head) are resolved per module: all quantized with one layout (one quantized tensor
@@ -29,9 +32,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from bitpress.errors import QuantizationError
+from bitpress.errors import QuantizationError, summarize_names, summarize_problems
 from bitpress.hf.qtensor import QuantSpec, QuantTensor
-from bitpress.hf.rules import Decision, Rules, Settings
+from bitpress.hf.rules import Decision, Rules, Settings, looks_like_experts, looks_like_router
+from bitpress.interrupts import cancel_pending
 from bitpress.onnx.weightonly import Report
 from bitpress.quant.solver import BlockSolver, BlockSpec, QuantizedBlocks
 
@@ -88,25 +92,120 @@ class Plan:
 
 
 # -- discovery ----------------------------------------------------------------------------------------
-def config_is_moe(config: Any) -> bool:
-    """Whether a transformers config describes a mixture-of-experts model."""
-    configs = [config]
-    get_text = getattr(config, "get_text_config", None)
-    if callable(get_text):
-        text = get_text()
-        if text is not None and text is not config:
-            configs.append(text)
-    for cfg in configs:
+def expert_counts(config: Any) -> set[int]:
+    """The expert counts (> 1) a transformers config gives (``num_local_experts``, ``num_experts``, ...)."""
+    out: set[int] = set()
+    for cfg in _configs(config):
         for key in _MOE_KEYS:
             value = getattr(cfg, key, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-                return True
-    return False
+                out.add(value)
+    return out
+
+
+def config_is_moe(config: Any) -> bool:
+    """Whether a transformers config describes a mixture-of-experts model."""
+    return bool(expert_counts(config))
+
+
+def _hidden_size(config: Any) -> int | None:
+    for cfg in _configs(config):
+        value = getattr(cfg, "hidden_size", None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _join(parent: str, child: str) -> str:
+    return f"{parent}.{child}" if parent else child
+
+
+def _weight_rows(mod: nn.Module) -> int | None:
+    """Rows of a module's own 2-D ``weight`` (a router has one per expert), else None."""
+    w = mod._parameters.get("weight")
+    return int(w.shape[0]) if w is not None and w.dim() == 2 else None
+
+
+def _is_mlp(mod: nn.Module) -> bool:
+    """Holds parameters, all of them ``nn.Linear``'s (an MLP, or a Linear itself)."""
+    linear = {id(p) for m in mod.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    params = list(mod.parameters())
+    return bool(params) and all(id(p) in linear for p in params)
+
+
+def _identical_mlps(container: nn.Module) -> int:
+    """How many items a ModuleList / ModuleDict of at least two identical MLPs has, else 0."""
+    items = list(container.children())
+    if len(items) < 2 or not all(_is_mlp(m) for m in items):
+        return 0
+
+    def signature(m: nn.Module) -> tuple[Any, ...]:
+        return type(m), tuple((n, tuple(p.shape)) for n, p in m.named_parameters())
+
+    first = signature(items[0])
+    return len(items) if all(signature(m) == first for m in items[1:]) else 0
+
+
+@dataclass
+class Experts:
+    """Where a model keeps its experts: the roots of its experts subtrees (and why each counts),
+    its routers (router module -> its MoE block) and the blocks whose experts were not found."""
+
+    roots: dict[str, str]
+    routers: dict[str, str]
+    unresolved: dict[str, str]
+
+    def root_of(self, name: str) -> str | None:
+        return next((r for r in self.roots if name == r or name.startswith(r + ".")), None)
+
+
+def find_experts(model: nn.Module) -> Experts:
+    """Every experts subtree of ``model``, fail-closed: anything that looks like an expert counts.
+
+    A root is a module whose own name contains ``expert``, ``moe`` or ``block_sparse``, or a
+    ModuleList / ModuleDict of identical MLPs beside a router (a module whose 2-D weight has one row
+    per item) or with as many items as the config has experts. A router (named ``gate`` /
+    ``router`` / ..., weight ``(E, hidden)`` with E the config's expert count, or the one beside a
+    list) must have an experts root beside it: a block whose router has none is ``unresolved``.
+    """
+    config = getattr(model, "config", None)
+    counts = expert_counts(config)
+    hidden = _hidden_size(config)
+    mods = dict(model.named_modules())
+    found: dict[str, str] = {}
+    routers: dict[str, str] = {}
+    for name in mods:
+        if name and looks_like_experts(name):
+            found[name] = f"named {name.rsplit('.', 1)[-1]!r}"
+    for name, mod in mods.items():
+        kids = dict(mod.named_children())
+        for key, child in kids.items():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and (n := _identical_mlps(child)):
+                beside = [k for k, c in kids.items() if k != key and _weight_rows(c) == n]
+                if beside:
+                    found.setdefault(_join(name, key), f"{n} identical MLPs beside the router {_join(name, beside[0])}")
+                    routers.update((_join(name, k), name) for k in beside)
+                elif n in counts:
+                    found.setdefault(_join(name, key), f"{n} identical MLPs, one per expert of the config")
+            rows = _weight_rows(child)
+            if counts and rows in counts and looks_like_router(key) and (
+                    hidden is None or child._parameters["weight"].shape[1] == hidden):
+                routers.setdefault(_join(name, key), name)
+    roots = {n: why for n, why in found.items() if not any(n.startswith(o + ".") for o in found)}
+    # a "router" inside one expert (an expert MLP's own gate) is no router
+    routers = {r: block for r, block in routers.items() if not any(block.startswith(o + ".") for o in roots)}
+    unresolved = {}
+    for router, block in routers.items():
+        if not any(r == block or r.startswith(block + ".") or block.startswith(r + ".") for r in roots):
+            kids = ", ".join(k for k, _ in mods[block].named_children()) if block in mods else ""
+            unresolved[block] = f"router {router}, modules: {kids}"
+    return Experts(roots, routers, unresolved)
 
 
 def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The roots of the experts subtrees: modules whose own name is ``experts``."""
-    return {name: mod for name, mod in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"}
+    """The roots of the experts subtrees (:func:`find_experts`)."""
+    mods = dict(model.named_modules())
+    return {name: mods[name] for name in find_experts(model).roots}
 
 
 def _output_embeddings(model: nn.Module) -> nn.Module | None:
@@ -117,15 +216,21 @@ def _output_embeddings(model: nn.Module) -> nn.Module | None:
         return None
 
 
-def endpoints(model: nn.Module) -> list[Endpoint]:
-    """Every quantizable module attribute, in module order (a tied parameter appears once per module)."""
-    experts = experts_modules(model)
+def endpoints(model: nn.Module, experts: Experts | None = None) -> list[Endpoint]:
+    """Every quantizable module attribute, in module order (a tied parameter appears once per module).
+
+    Under an experts root: ``nn.Linear`` weights and the 3-D parameters of fused experts modules
+    (category ``moe``). Routers that are ``nn.Linear`` are listed with category ``router`` (kept float).
+    """
+    experts = experts if experts is not None else find_experts(model)
     head = _output_embeddings(model)
     found: list[Endpoint] = []
     for name, mod in model.named_modules(remove_duplicate=False):
-        root = next((e for e in experts if name == e or name.startswith(e + ".")), None)
-        if root is not None:
-            if name == root and not isinstance(mod, nn.ModuleList):
+        root = experts.root_of(name)
+        if name in experts.routers and isinstance(mod, nn.Linear):
+            found.append(Endpoint(name, "weight", mod, "router", "linear"))
+        elif root is not None:
+            if not isinstance(mod, (nn.ModuleList, nn.ModuleDict, nn.Linear)):
                 for attr, p in mod.named_parameters(recurse=False):
                     if p.dim() == 3:  # fused (E, ., .) weights; 2-D biases stay float
                         found.append(Endpoint(name, attr, mod, "moe", "experts"))
@@ -145,33 +250,50 @@ def _describe(s: Settings) -> str:
 
 
 def _experts_layout_problem(ep: Endpoint) -> str | None:
+    """Why a fused experts parameter cannot be quantized (shared by every tensor of that class), or None."""
     flag = getattr(ep.module, "is_transposed", None)
     cls = type(ep.module).__name__
     if flag is False:
         return None
     if flag is True:
-        return (f"{ep.param_name}: {cls} stores fused experts transposed as (E, K, OUT) (is_transposed=True, "
+        return (f"{cls} stores fused experts transposed as (E, K, OUT) (is_transposed=True, "
                 "e.g. gpt-oss); only the (E, OUT, K) layout is supported")
-    return (f"{ep.param_name}: {cls} does not report is_transposed, so the layout of its fused expert weights "
+    return (f"{cls} does not report is_transposed, so the layout of its fused expert weights "
             "cannot be verified; refusing rather than quantizing along the wrong dimension")
+
+
+def check_experts(model: nn.Module, experts: Experts) -> None:
+    """Fail closed on MoE models whose experts are not all found (raised even with ``moe: false``)."""
+    config = getattr(model, "config", None)
+    if config is not None and config_is_moe(config) and not experts.roots:
+        raise QuantizationError(
+            f"{type(model).__name__} is a mixture-of-experts model but its experts subtree (a module named like "
+            "'experts', 'moe' or 'block_sparse', or a list of identical MLPs beside a router) was not found; "
+            "refusing to quantize rather than treating experts as plain linears"
+        )
+    if experts.unresolved:
+        blocks = list(experts.unresolved)
+        first = blocks[0]
+        what = f"{len(blocks)} MoE blocks ({summarize_names(blocks)}) have" if len(blocks) > 1 else f"{first} has"
+        raise QuantizationError(
+            f"{what} a router but no experts found beside it ({first}: {experts.unresolved[first]}); an expert "
+            "container must be named like 'experts', 'moe' or 'block_sparse', or be a list of identical MLPs. "
+            "Refusing to quantize (even with moe=false) rather than treating experts as plain linears"
+        )
 
 
 def plan(model: nn.Module, rules: Rules, *, float_zero_points: bool = False) -> Plan:
     """Decide what to quantize; raises :class:`QuantizationError` (before any work) on any problem."""
-    config = getattr(model, "config", None)
-    experts = experts_modules(model)
-    if config is not None and config_is_moe(config) and not experts:
-        raise QuantizationError(
-            f"{type(model).__name__} is a mixture-of-experts model but its experts subtree (a module named "
-            "'experts') was not found; refusing to quantize rather than treating experts as plain linears"
-        )
-    eps = endpoints(model)
+    experts = find_experts(model)
+    check_experts(model, experts)
+    eps = endpoints(model, experts)
     groups: dict[int, list[Endpoint]] = {}
     for ep in eps:
         groups.setdefault(id(getattr(ep.module, ep.attr)), []).append(ep)
 
     out = Plan([])
     errors: list[str] = []
+    layout_errors: list[tuple[str, str]] = []  # one sentence per reason, not per tensor
     for group in groups.values():
         param = getattr(group[0].module, group[0].attr)
         name = group[0].param_name
@@ -182,7 +304,8 @@ def plan(model: nn.Module, rules: Rules, *, float_zero_points: bool = False) -> 
             out.skipped[name] = f"not a float parameter ({param.dtype})"
             continue
         for ep in group:
-            ep.decision = rules.resolve(ep.names, ep.category)
+            ep.decision = (Decision(None, "MoE router (routers stay float)") if ep.category == "router"
+                           else rules.resolve(ep.names, ep.category))
         quantized = [ep for ep in group if ep.decision and ep.decision.settings is not None]
         kept = [ep for ep in group if ep not in quantized]
         if not quantized:
@@ -207,7 +330,7 @@ def plan(model: nn.Module, rules: Rules, *, float_zero_points: bool = False) -> 
             if ep.kind == "experts":
                 problem = _experts_layout_problem(ep)
                 if problem:
-                    errors.append(problem)
+                    layout_errors.append((ep.param_name, problem))
         k = int(param.shape[-1])
         if "embedding" in kinds and "linear" in kinds and k % s.group_size:
             # one table read by a Gather and a MatMul shares its bytes only when blocks tile its rows exactly
@@ -229,6 +352,8 @@ def plan(model: nn.Module, rules: Rules, *, float_zero_points: bool = False) -> 
                      f"float for {', '.join(ep.module_name for ep in kept)} ({why})")
             out.notes[name] = f"{out.notes[name]}; {split}" if name in out.notes else split
         out.jobs.append(Job(param, quantized, kept, s, zp))
+    if layout_errors:
+        errors.append(summarize_problems(layout_errors, noun="fused expert tensors"))
     if errors:
         raise QuantizationError("; ".join(errors))
     return out
@@ -270,9 +395,10 @@ def _solve(job: Job, solver: BlockSolver) -> _Solved:
                 raise QuantizationError(f"the block solver returned no zero points for asymmetric {job.name}")
             zps[r0:r1] = res.zero_points
         deq = (res.q.astype(np.float32) - res.implied_zero_points(s.bits)[..., None]) * res.scales[..., None]
-        diff = (deq - w3).reshape(r1 - r0, -1)[:, :k]
-        num += float(np.einsum("ij,ij->", diff, diff))
-        den += float(np.einsum("ij,ij->", w[r0:r1], w[r0:r1]))
+        with np.errstate(over="ignore", invalid="ignore"):  # huge finite weights: no warning, sums in float64
+            diff = (deq - w3).reshape(r1 - r0, -1)[:, :k]
+            num += float(np.einsum("ij,ij->", diff, diff, dtype=np.float64))
+            den += float(np.einsum("ij,ij->", w[r0:r1], w[r0:r1], dtype=np.float64))
     qspec = QuantSpec(s.bits, bs, s.symmetric, tuple(job.param.shape), job.param.dtype, job.zero_points)
     tensor = QuantTensor.from_blocks(QuantizedBlocks(q, scales, zps), qspec)
     return _Solved(job, tensor, (num / den) ** 0.5 if den else 0.0)
@@ -287,7 +413,8 @@ def apply(model: nn.Module, p: Plan, solver: BlockSolver, *, jobs: int = 1,
     for what, why in p.notes.items():
         log.info("%s: %s", what, why)
     order = sorted(p.jobs, key=lambda j: -j.param.numel())
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
+    # pool.map queues every job: an error or a signal must drop them, not wait for them all
+    with ThreadPoolExecutor(max(1, jobs)) as pool, cancel_pending(pool):
         for solved in pool.map(lambda j: _solve(j, solver), order):
             job = solved.job
             new = nn.Parameter(solved.tensor, requires_grad=False)

@@ -15,8 +15,17 @@ The first rule that matches a target decides, in this order:
    match the module or parameter name exactly, ``re:`` keys with ``re.fullmatch``;
 4. the pass defaults (``bits``, ``group_size``, ``sym``).
 
-``re:`` patterns go through :func:`bitpress.selection.compile_regex`: too long or shaped for
-catastrophic backtracking (``(a+)+``) and they are refused when the options are parsed.
+``re:`` patterns go through :func:`bitpress.selection.compile_regex` when the options are parsed:
+RE2, matching in linear time whatever the pattern; what RE2 cannot express (backreferences,
+lookaround) and over-long patterns are refused there.
+
+Mixture of experts is fail-closed, per block (:mod:`bitpress.hf.quantize` finds the blocks):
+anything that looks like an expert is category ``moe``, so ``moe: false`` excludes every expert
+of every block, whatever each block calls its experts. "Looks like": a module whose own name
+contains ``expert``, ``moe`` or ``block_sparse`` (:func:`looks_like_experts`; everything under it
+counts), or a list of identical MLPs beside a router (a ``gate`` / ``router`` module whose weight
+has one row per list item) or with as many items as the config has experts. A router whose
+experts cannot be found beside it stops the run, even with ``moe: false``.
 """
 
 from __future__ import annotations
@@ -31,7 +40,22 @@ from bitpress.selection import compile_regex
 
 BITS = (2, 4, 8)
 CATEGORIES = ("linear", "lm_head", "embeds", "moe")
+#: a module whose own name matches (searched, case-insensitive) roots an experts subtree
+EXPERT_NAME = re.compile(r"expert|moe|block_sparse", re.IGNORECASE)
+#: own names of MoE routers (with a weight of one row per expert); "router" anywhere in the name too
+ROUTER_NAMES = frozenset({"gate", "router", "gating", "wg", "switch"})
 _OVERRIDE_KEYS = {"bits", "group_size", "symmetric", "sym"}
+
+
+def looks_like_experts(module_name: str) -> bool:
+    """Whether a module's own name (the last dotted part) marks an experts subtree."""
+    return bool(EXPERT_NAME.search(module_name.rsplit(".", 1)[-1]))
+
+
+def looks_like_router(module_name: str) -> bool:
+    """Whether a module's own name is a MoE router's (``gate``, ``router``, ``*router*``, ...)."""
+    own = module_name.rsplit(".", 1)[-1].lower()
+    return own in ROUTER_NAMES or "router" in own
 
 
 @dataclass(frozen=True)
@@ -86,11 +110,12 @@ def parse_override(key: str, value: Any, defaults: Settings) -> Settings:
         raise ValueError(f"{where}unknown key(s) {', '.join(unknown)}; valid: bits, group_size, symmetric (or sym)")
     if "sym" in value and "symmetric" in value and bool(value["sym"]) != bool(value["symmetric"]):
         raise ValueError(f"{where}sym and symmetric disagree")
-    try:
-        bits = int(value.get("bits", defaults.bits))
-        group = int(value.get("group_size", defaults.group_size))
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}bits and group_size must be integers, got {value!r}") from None
+    # JSON values (a config file, or --option's JSON): integers as they are, never parsed from strings
+    bits, group = value.get("bits", defaults.bits), value.get("group_size", defaults.group_size)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (bits, group)):
+        from bitpress.selection import short
+
+        raise ValueError(f"{where}bits and group_size must be integers, got {short(value)}")
     sym = value.get("symmetric", value.get("sym", defaults.symmetric))
     if not isinstance(sym, bool):
         raise ValueError(f"{where}symmetric must be true or false, got {sym!r}")

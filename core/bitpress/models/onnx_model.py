@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from pathlib import Path
@@ -207,9 +208,63 @@ def check_strings(proto: onnx.ModelProto) -> None:
                     stack.append(value)
 
 
+#: the value field each attribute type holds (the ONNX checker's rule: the type names the one field set)
+_ATTR_FIELDS = {
+    onnx.AttributeProto.FLOAT: "f", onnx.AttributeProto.INT: "i", onnx.AttributeProto.STRING: "s",
+    onnx.AttributeProto.TENSOR: "t", onnx.AttributeProto.GRAPH: "g", onnx.AttributeProto.SPARSE_TENSOR: "sparse_tensor",
+    onnx.AttributeProto.TYPE_PROTO: "tp", onnx.AttributeProto.FLOATS: "floats", onnx.AttributeProto.INTS: "ints",
+    onnx.AttributeProto.STRINGS: "strings", onnx.AttributeProto.TENSORS: "tensors",
+    onnx.AttributeProto.GRAPHS: "graphs", onnx.AttributeProto.SPARSE_TENSORS: "sparse_tensors",
+    onnx.AttributeProto.TYPE_PROTOS: "type_protos",
+}
+_ATTR_VALUE_FIELDS = frozenset(_ATTR_FIELDS.values())
+
+
+@functools.lru_cache(maxsize=1024)
+def _arity(op_type: str, version: int) -> tuple[int, int, int, int] | None:
+    try:
+        s = onnx.defs.get_schema(op_type, version, "")
+    except Exception:  # an unknown op (or version) is not this check's business
+        return None
+    return s.min_input, s.max_input, s.min_output, s.max_output
+
+
+def check_nodes(graph: onnx.GraphProto, opset: int | None) -> None:
+    """Every attribute has a known type and holds only that type's field; nodes of the standard
+    domain have as many inputs and outputs as their operator takes (passes index them)."""
+    for node in graph.node:
+        where = f"node {node.name[:80]!r} ({node.op_type[:80]})" if node.name else f"a {node.op_type[:80]} node"
+        for attr in node.attribute:
+            want = _ATTR_FIELDS.get(attr.type)
+            if want is None:
+                raise ModelLoadError(f"{where}: attribute {attr.name[:80]!r} has no known type ({attr.type})")
+            other = sorted(fd.name for fd, _ in attr.ListFields() if fd.name in _ATTR_VALUE_FIELDS and fd.name != want)
+            if other:
+                raise ModelLoadError(
+                    f"{where}: attribute {attr.name[:80]!r} is of type "
+                    f"{onnx.AttributeProto.AttributeType.Name(attr.type)} but holds {', '.join(other)}"
+                )
+        arity = _arity(node.op_type, opset) if opset and node.domain in ("", "ai.onnx") else None
+        if arity is not None:
+            lo_in, hi_in, lo_out, hi_out = arity
+            n_in, n_out = len(node.input), len(node.output)
+            if not lo_in <= n_in <= hi_in or not lo_out <= n_out <= hi_out:
+                raise ModelLoadError(
+                    f"{where} has {n_in} inputs and {n_out} outputs; {node.op_type} (opset {opset}) takes "
+                    f"{_span(lo_in, hi_in)} inputs and {_span(lo_out, hi_out)} outputs"
+                )
+
+
+def _span(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else f"{lo} or more" if hi >= (1 << 31) - 1 else f"{lo} to {hi}"
+
+
 def check_graphs(proto: onnx.ModelProto) -> None:
-    """Initializer names are unique in each graph, and every tensor's header is consistent."""
+    """Initializer names are unique in each graph, every node is well formed (:func:`check_nodes`),
+    and every tensor's header is consistent."""
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
     for graph in iter_graphs(proto.graph):
+        check_nodes(graph, opset)
         seen: set[str] = set()
         names = [t.name for t in graph.initializer] + [s.values.name for s in graph.sparse_initializer]
         for name in names:

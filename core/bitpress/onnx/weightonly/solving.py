@@ -50,13 +50,20 @@ class _ErrorSum:
     def add(self, deq: np.ndarray, w: np.ndarray, k_valid: int) -> None:
         """Accumulate ``|deq - w|^2`` and ``|w|^2``; ``deq`` (``[rows, blocks, block]``, overwritten)
         and ``w`` (``[rows, K_padded]``) are the same rows."""
-        deq = deq.reshape(w.shape)
-        deq -= w
-        if k_valid != w.shape[1]:  # the zero padding of the last block is not part of the weight
-            deq, w = deq[:, :k_valid], w[:, :k_valid]
-        d, x = deq.ravel(), w.ravel()
-        self.num += float(np.dot(d, d))
-        self.den += float(np.dot(x, x))
+        # huge but finite weights (|w| ~ 1e20 and up) overflow float32 squares: no RuntimeWarning on
+        # stderr (found by the fuzzer, tests/fuzz); those sums are redone in float64
+        with np.errstate(over="ignore", invalid="ignore"):
+            deq = deq.reshape(w.shape)
+            deq -= w
+            if k_valid != w.shape[1]:  # the zero padding of the last block is not part of the weight
+                deq, w = deq[:, :k_valid], w[:, :k_valid]
+            d, x = deq.ravel(), w.ravel()
+            num, den = float(np.dot(d, d)), float(np.dot(x, x))
+            if not np.isfinite(num + den):
+                d64, x64 = d.astype(np.float64), x.astype(np.float64)
+                num, den = float(np.dot(d64, d64)), float(np.dot(x64, x64))
+        self.num += num
+        self.den += den
 
     @property
     def relative(self) -> float:
