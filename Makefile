@@ -51,15 +51,24 @@ lint: venv
 bench: venv
 	$(MAKE) -C bench
 
+# A longer run of the mutation fuzzer (tests/fuzz, docs/security.md; `make test` runs 150 cases):
+# N cases (default 2000) from SEED (default: a random one, printed), at most FUZZ_SECONDS. A failing
+# case prints `make fuzz SEED=<its seed> N=1`, which replays it alone, and keeps its input (FUZZ_KEEP).
+.PHONY: fuzz
+fuzz: $(VENV)/.installed
+	$(PY) tests/fuzz/onnx_fuzz.py --cases $(or $(N),2000) $(if $(SEED),--seed $(SEED)) \
+		$(if $(FUZZ_SECONDS),--seconds $(FUZZ_SECONDS)) $(if $(FUZZ_KEEP),--keep $(FUZZ_KEEP))
+
 # Plugin environments (docs/environments.md): vendor toolkits whose pins conflict with the host
-# get a venv of their own. Rebuilt when the plugin's pyproject changes; skipped without the plugin.
+# get a venv of their own. Rebuilt when the host's or the plugin's pyproject changes (their dependencies);
+# skipped without the plugin.
 ENVS := $(CURDIR)/.bitpress-envs
 ifneq ($(wildcard plugins/quark/pyproject.toml),)
 # `bitpress env root` records the folder in $(VENV)/bitpress-envs.json: the activated .venv finds
 # the environments without BITPRESS_ENVS
 envs: $(ENVS)/quark/env.json
 	$(VENV)/bin/bitpress env root $(ENVS)
-$(ENVS)/quark/env.json: plugins/quark/pyproject.toml | venv
+$(ENVS)/quark/env.json: pyproject.toml plugins/quark/pyproject.toml | venv
 	BITPRESS_ENVS=$(ENVS) $(VENV)/bin/bitpress env create quark --force
 else
 envs:

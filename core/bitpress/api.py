@@ -18,6 +18,7 @@ from bitpress.workflow import (
     RunResult,
     Workflow,
     build_workflow,
+    check_jobs,
     input_kind,
     load_config,
     run_workflow,
@@ -47,6 +48,8 @@ def quantize(
     registry: Registry | None = None,
     env_timeout: float | None = None,
     save_config: str | Path | None = None,
+    strict: bool = True,
+    isolate: bool = False,
 ) -> RunResult:
     """Quantize ``model`` with the pass that provides ``algorithm`` at ``precision``.
 
@@ -60,21 +63,27 @@ def quantize(
     ``save_config``: also write the equivalent workflow config there (YAML, or JSON for a
     ``.json`` name), paths relative to its folder: ``bitpress.run(save_config)`` repeats the run.
     It is written once the run succeeded; an existing file is replaced only with ``overwrite``.
+    ``options`` are Python values of the options' types (``{"block_size": 32, "is_symmetric": False}``):
+    ``{"block_size": "32"}`` is an :class:`~bitpress.errors.OptionError`, as in a config file.
+    ``strict=False`` coerces strings instead, as ``--option k=v`` does (what the CLI passes).
+    ``isolate`` (``--isolate``): run the pass in a worker process of this environment, so a
+    native crash (abort, segfault) is a clean error; the pass must come from an installed plugin.
     """
     registry = registry or get_registry()
     model_path = Path(model)
     cls = _select(registry, algorithm, precision, model_path)
     precision = canonical_precision(cls, precision)
-    step = PassStep(cls.from_config(options or {}, precision), f"{algorithm}/{precision or '-'}")
+    step = PassStep(cls.from_config(options or {}, precision, strict=strict), f"{algorithm}/{precision or '-'}")
     if env_timeout is not None:
         from bitpress.envs.remote import parse_timeout
 
         step.pass_.env_timeout = parse_timeout(env_timeout, "env_timeout")  # type: ignore[attr-defined]
+    check_jobs(jobs, "jobs")
     wf = Workflow(
         input=model_path, output=Path(output), steps=[step], components=components, jobs=jobs,
         overwrite=overwrite,
         save=SaveOptions(external_data=external_data, max_shard_size=max_shard_size, check=check),
-        data=None if data is None else DataConfig.from_value(data),
+        data=None if data is None else DataConfig.from_value(data), isolate=bool(isolate),
     )
     config_path = None if save_config is None else Path(save_config)
     if config_path is not None:
@@ -84,10 +93,11 @@ def quantize(
             )
         if config_path.is_dir():
             raise OutputError(f"--save-config {config_path} is a folder; give a .yaml or .json file name")
-        config = workflow_config(wf, config_path.parent, [precision], env_timeout=env_timeout)
     result = run_workflow(wf, registry, progress=progress)
     if config_path is not None:
-        write_config(config, config_path)
+        # after the run: a pass in a plugin environment has its options typed by then (a config file's
+        # values must be typed; --option strings are not)
+        write_config(workflow_config(wf, config_path.parent, [precision], env_timeout=env_timeout), config_path)
     return result
 
 
@@ -110,6 +120,8 @@ def workflow_config(
         if precision is not None:
             entry["precision"] = precision
         entry.update(_changed_options(pass_, precision))
+        if wf.isolate or step.isolate:
+            entry["isolate"] = True
         passes.append(entry)
     config: dict[str, Any] = {
         "input": _relative(wf.input, folder),
@@ -220,30 +232,33 @@ def run(
     env_timeout: float | None = None,
     progress: Any = None,
     registry: Registry | None = None,
+    isolate: bool = False,
 ) -> RunResult:
     """Run a workflow config (a mapping, or a JSON/YAML file).
 
     The keyword arguments are the CLI's ``run`` flags and override the config's settings when
     given (``None``: as the config says): ``overwrite`` (``--overwrite``), ``jobs``,
     ``external_data`` (True ``--external-data``, False ``--single-file``), ``max_shard_size``
-    (bytes), ``check=False`` (``--no-check``), ``data``, ``env_timeout``.
+    (bytes), ``check=False`` (``--no-check``), ``data``, ``env_timeout``; ``isolate=True``
+    (``--isolate``) runs every pass in a worker process, as ``isolate: true`` does for one pass.
     """
     config = dict(config) if isinstance(config, dict) else load_config(Path(config))
     if overwrite is not None:
         config["overwrite"] = overwrite
     if jobs:
         config["jobs"] = jobs
-    save = dict(config.get("save") or {})
-    for key, value in (("external_data", external_data), ("max_shard_size", max_shard_size), ("check", check)):
-        if value is not None:
-            save[key] = value
-    if save:
-        config["save"] = save
+    given = {key: value for key, value in (("external_data", external_data), ("max_shard_size", max_shard_size),
+                                            ("check", check)) if value is not None}
+    save = config.get("save")
+    if given and (save is None or isinstance(save, dict)):  # a save of the wrong shape: build_workflow says so
+        config["save"] = {**(save or {}), **given}
     if data is not None:
         config["data"] = data
     if env_timeout is not None:
         config["env_timeout"] = env_timeout
     wf = build_workflow(config, registry)
+    if isolate:
+        wf.isolate = True
     return run_workflow(wf, registry, progress=progress)
 
 

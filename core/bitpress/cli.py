@@ -6,13 +6,15 @@ import argparse
 import json
 import logging
 import re
+import signal
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bitpress import __version__
-from bitpress.errors import BitpressError, UsageError
+from bitpress.errors import BitpressError, Interrupted, UsageError
+from bitpress.interrupts import Caught, handle_signals
 from bitpress.options import describe
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -29,21 +31,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = " ".join(str(getattr(args, k)) for k in vars(args) if k.endswith("command") and getattr(args, k))
         print(f"bitpress: error: `bitpress {command}` has no JSON output (--json)", file=sys.stderr)
         return EXIT_USAGE
+    caught = Caught()  # the first signal; an interrupt can surface as another error (see Caught)
     try:
-        return int(args.func(args) or 0)
+        with handle_signals(caught):  # SIGINT, SIGTERM, SIGHUP raise Interrupted: the library's cleanup runs
+            return int(args.func(args) or 0)
     except BitpressError as exc:
+        if caught.signum is not None:
+            return _interrupted(Interrupted(caught.signum), args.verbose, exc)
         if args.verbose:
             logging.getLogger("bitpress").exception("failed")
         print(f"bitpress: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("bitpress: interrupted; nothing was written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        return _interrupted(exc, args.verbose)
     except Exception as exc:
+        if caught.signum is not None:
+            return _interrupted(Interrupted(caught.signum), args.verbose, exc)
         if args.verbose:
             raise
         print(f"bitpress: internal error: {type(exc).__name__}: {exc} (rerun with --verbose)", file=sys.stderr)
         return EXIT_FAIL
+
+
+def _interrupted(exc: KeyboardInterrupt, verbose: bool, surfaced: BaseException | None = None) -> int:
+    """One line for a run stopped by a signal; exit code 128 + the signal's number."""
+    if surfaced is not None and verbose:  # the interrupt came out of library code as this error
+        logging.getLogger("bitpress").debug("interrupted; it surfaced as:", exc_info=surfaced)
+    signum = exc.signum if isinstance(exc, Interrupted) else int(signal.SIGINT)
+    name = exc.signal_name if isinstance(exc, Interrupted) else "SIGINT"
+    written = getattr(exc, "written", None)
+    done = f"{written} had been written completely" if written is not None else "nothing was written"
+    print(f"bitpress: interrupted by {name}; {done}", file=sys.stderr)
+    return 128 + signum
 
 
 # -- argument parsing -----------------------------------------------------------------------------
@@ -215,6 +234,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    help="after the run, print the per-weight table with each weight's measured error")
     p.add_argument("--env-timeout", type=float, metavar="SECONDS",
                    help="kill a pass running in a plugin environment after this long (default: none)")
+    p.add_argument("--isolate", action="store_true",
+                   help="run each pass in a worker process of this environment: a native crash (abort, "
+                        "segfault) is then a clean error and writes nothing")
     d = p.add_argument_group("calibration data (passes that need or use it)")
     d.add_argument("--data", help="random, a .npz file or folder of .npz, or a .txt file (with a tokenizer)")
     d.add_argument("--samples", type=int, default=8, help="calibration samples (default 8)")
@@ -385,13 +407,14 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         from bitpress.dry_run import plan_quantize
 
         return _show_plan(plan_quantize(args.model, algorithm=args.algorithm, precision=args.precision,
-                                        options=_parse_kv(args.option), components=args.components), args.json)
+                                        options=_parse_kv(args.option), components=args.components,
+                                        strict=False), args.json)
     result = quantize(
         args.model, args.output, algorithm=args.algorithm, precision=args.precision,
-        options=_parse_kv(args.option), components=args.components, jobs=args.jobs,
+        options=_parse_kv(args.option), strict=False, components=args.components, jobs=args.jobs,
         overwrite=args.overwrite, external_data=args.external_data,
         max_shard_size=args.max_shard_size, check=not args.no_check, data=_data(args), progress=_progress,
-        env_timeout=args.env_timeout, save_config=args.save_config,
+        env_timeout=args.env_timeout, save_config=args.save_config, isolate=args.isolate,
     )
     _report(result, args.json, args.show_weights)
     return EXIT_OK
@@ -408,7 +431,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     result = run(
         args.config, overwrite=True if args.overwrite else None, jobs=args.jobs, external_data=args.external_data,
         max_shard_size=args.max_shard_size, check=False if args.no_check else None, data=_data(args),
-        env_timeout=args.env_timeout, progress=_progress,
+        env_timeout=args.env_timeout, progress=_progress, isolate=args.isolate,
     )
     _report(result, args.json, args.show_weights)
     return EXIT_OK

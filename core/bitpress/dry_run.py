@@ -100,9 +100,12 @@ def plan_workflow(wf: Workflow, registry: Registry | None = None) -> PlanResult:
 
 def plan_quantize(
     model: str | Path, *, algorithm: str, precision: str | None = None, options: dict[str, Any] | None = None,
-    components: list[str] | None = None, registry: Registry | None = None,
+    components: list[str] | None = None, registry: Registry | None = None, strict: bool = True,
 ) -> PlanResult:
-    """``bitpress quantize --plan``: the plan of the pass :func:`bitpress.quantize` would run."""
+    """``bitpress quantize --plan``: the plan of the pass :func:`bitpress.quantize` would run.
+
+    ``strict``: as :func:`bitpress.quantize`'s (False: ``options`` are ``--option`` strings).
+    """
     from bitpress.api import _select
     from bitpress.plugins import canonical_precision
     from bitpress.workflow import PassStep
@@ -111,7 +114,7 @@ def plan_quantize(
     path = Path(model)
     cls = _select(registry, algorithm, precision, path)
     precision = canonical_precision(cls, precision)
-    step = PassStep(cls.from_config(options or {}, precision), f"{algorithm}/{precision or '-'}")
+    step = PassStep(cls.from_config(options or {}, precision, strict=strict), f"{algorithm}/{precision or '-'}")
     wf = Workflow(input=path, output=path.with_name(path.name + ".plan"), steps=[step], components=components)
     return plan_workflow(wf, registry)
 

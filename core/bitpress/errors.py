@@ -7,6 +7,8 @@ traceback unless ``--verbose``) and exits with the class's ``exit_code``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class BitpressError(Exception):
     """Base class: a failure the user can act on."""
@@ -62,3 +64,52 @@ class ValidationError(BitpressError):
 
 class QuantizationError(BitpressError):
     """A pass could not quantize the model as asked."""
+
+
+def summarize_names(names: Iterable[str], limit: int = 3) -> str:
+    """``"a, b, c and 44 more"``: the first ``limit`` names in the order given (repeats dropped)."""
+    unique = list(dict.fromkeys(names))
+    shown = ", ".join(unique[:limit])
+    return f"{shown} and {len(unique) - limit} more" if len(unique) > limit else shown
+
+
+def summarize_problems(problems: Iterable[tuple[str, str]], noun: str = "tensors", limit: int = 3) -> str:
+    """One sentence per distinct reason, not one per name: ``(name, reason)`` pairs become
+    ``"name: reason"`` for a reason given once and ``"47 tensors (a, b, c and 44 more): reason"``
+    for one shared by many; sentences in the order their reasons first appear, joined by ``"; "``."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in problems:
+        by_reason.setdefault(reason, []).append(name)
+    out = []
+    for reason, names in by_reason.items():
+        unique = list(dict.fromkeys(names))
+        if len(unique) == 1:
+            out.append(f"{unique[0]}: {reason}")
+        else:
+            out.append(f"{len(unique)} {noun} ({summarize_names(unique, limit)}): {reason}")
+    return "; ".join(out)
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped by a signal (SIGINT, SIGTERM, SIGHUP): raised in the main thread.
+
+    A :class:`KeyboardInterrupt` (so a ``BaseException``, not an ``Exception``): every ``finally``
+    and every ``except KeyboardInterrupt`` cleanup runs as for Ctrl-C. The CLI installs the
+    handlers that raise it (:mod:`bitpress.interrupts`) and exits with ``128 + signum``.
+    ``written``: set when the signal came while the finished output was being moved into place;
+    the move completed, so that output is whole and in place.
+    """
+
+    def __init__(self, signum: int, written: object = None) -> None:
+        self.signum = int(signum)
+        self.written = written
+        super().__init__(self.signal_name)
+
+    @property
+    def signal_name(self) -> str:
+        import signal
+
+        try:
+            return signal.Signals(self.signum).name
+        except ValueError:
+            return f"signal {self.signum}"

@@ -19,14 +19,16 @@ from typing import Any
 
 import yaml
 
-from bitpress.errors import ConfigError, OutputError, PassNotFoundError, UsageError
+from bitpress import output
+from bitpress.errors import ConfigError, OutputError, PassNotFoundError, PluginError, UsageError
+from bitpress.interrupts import deferred, note_written
 from bitpress.models.base import ModelHandle
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.models.package import OnnxPackage
 from bitpress.onnx.save import SaveOptions
 from bitpress.onnx.tensors import is_external, iter_tensors
 from bitpress.passes import Pass, PassContext
-from bitpress.plugins import Registry, canonical_precision, get_registry
+from bitpress.plugins import Registry, canonical_precision, check_result, get_registry
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ class PassStep:
 
     pass_: Pass
     label: str
+    #: run the pass in a worker process of this environment (``isolate: true``, ``--isolate``)
+    isolate: bool = False
 
 
 @dataclass
@@ -49,6 +53,8 @@ class Workflow:
     overwrite: bool = False
     save: SaveOptions = field(default_factory=SaveOptions)
     data: Any = None  # a bitpress.data.DataConfig for passes that use calibration data
+    #: run every pass in a worker process (``--isolate``): a native crash becomes a clean error
+    isolate: bool = False
 
 
 @dataclass
@@ -99,71 +105,320 @@ class RunResult:
 
 
 # -- building a workflow from a config --------------------------------------------------------
+#: a workflow config is small: larger files, deeper nesting or more values (YAML aliases expand)
+#: are refused when it is read, before anything formats or walks them
+MAX_CONFIG_BYTES = 16 << 20
+MAX_CONFIG_DEPTH = 64
+MAX_CONFIG_VALUES = 100_000
+#: the most worker threads a config or call may ask for
+MAX_JOBS = 4096
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing merge keys (``<<: [*a, *a]``) that multiply a mapping's size.
+
+    Aliases of sequences and mappings are shared, not copied, when loading: the values they
+    expand to are counted afterwards (:func:`_check_size`). Merges are copied here, so they are
+    counted as they happen.
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.merged = 0
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        super().flatten_mapping(node)
+        self.merged += len(node.value)
+        if self.merged > MAX_CONFIG_VALUES:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"merge keys (<<) expand to more than {MAX_CONFIG_VALUES} values", node.start_mark)
+
+
+def _yaml_message(exc: yaml.YAMLError) -> str:
+    """PyYAML's (multi-line, caret-marked) message on one line: ``line 3, column 5: what``."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = "; ".join(str(p) for p in (exc.context, exc.problem) if p)
+        return where + (what or type(exc).__name__)
+    return str(exc)
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _check_size(data: Any, where: str) -> None:
+    """Refuse a config nested deeper than MAX_CONFIG_DEPTH or holding more than MAX_CONFIG_VALUES values.
+
+    Values are counted as they expand: a YAML alias counts as many times as it is used (the
+    "billion laughs"), and a structure that contains itself stops at the depth limit.
+    """
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    count = 0
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES:
+            raise ConfigError(f"{where} holds more than {MAX_CONFIG_VALUES} values once its YAML aliases are "
+                              "expanded; a workflow config is small")
+        if isinstance(value, dict | list | tuple):
+            if depth >= MAX_CONFIG_DEPTH:
+                raise ConfigError(f"{where} is nested more than {MAX_CONFIG_DEPTH} levels deep")
+            items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+            if len(items) > MAX_CONFIG_VALUES:
+                raise ConfigError(f"{where} holds more than {MAX_CONFIG_VALUES} values; a workflow config is small")
+            stack.extend((item, depth + 1) for item in items)
+
+
 def load_config(path: Path) -> dict[str, Any]:
+    """Read a workflow config (JSON for ``.json``, else YAML); paths in it are made relative to its folder.
+
+    Every way a file can be unreadable is one :class:`ConfigError` line: not UTF-8, not valid
+    JSON / YAML (with the line and column), nested too deeply, too large, aliases that expand
+    beyond :data:`MAX_CONFIG_VALUES` values, not a mapping.
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        text = path.read_text()
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path} is not valid JSON/YAML: {exc}") from None
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: {size} bytes is too large for a workflow config (at most {MAX_CONFIG_BYTES})")
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config {path}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    is_json = path.suffix.lower() == ".json"
+    kind = "JSON" if is_json else "YAML"
+    try:
+        data = json.loads(text) if is_json else yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader subclass
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {_one_line(_yaml_message(exc))}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid {kind}: nested too deeply (at most {MAX_CONFIG_DEPTH} levels)") from None
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. an integer of more than 4300 digits
+        raise ConfigError(f"{path}: not valid {kind}: {_one_line(str(exc))}") from None
+    _check_size(data, str(path))
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the config must be a mapping")
+        raise ConfigError(f"{path}: the config must be a mapping (input, output, passes, ...), got {_kind(data)}")
     base = path.parent
-    for key in ("input", "output"):
-        if isinstance(data.get(key), str) and not Path(data[key]).is_absolute():
-            data[key] = str(base / data[key])
+
+    def relative(value: Any) -> Any:
+        if isinstance(value, str) and value and value != "random" and not Path(value).is_absolute():
+            return str(base / value)
+        return value
+
+    for key in ("input", "output", "output_dir"):
+        if key in data and data[key] != "random":
+            data[key] = relative(data[key])
+    if isinstance(data.get("input_model"), dict) and "model_path" in data["input_model"]:  # Olive-style
+        data["input_model"] = {**data["input_model"], "model_path": relative(data["input_model"]["model_path"])}
     # calibration data files too (a source string, or a mapping's source / tokenizer)
     calib = data.get("data")
-    if isinstance(calib, str) and calib != "random" and not Path(calib).is_absolute():
-        data["data"] = str(base / calib)
+    if isinstance(calib, str):
+        data["data"] = relative(calib)
     elif isinstance(calib, dict):
         calib = data["data"] = dict(calib)
         for key in ("source", "tokenizer"):
-            value = calib.get(key)
-            if isinstance(value, str) and value != "random" and not Path(value).is_absolute():
-                calib[key] = str(base / value)
+            if key in calib:
+                calib[key] = relative(calib[key])
     return data
 
 
 _TOP_KEYS = {"input", "output", "passes", "components", "jobs", "overwrite", "save", "data", "env_timeout",
              "input_model", "output_dir"}
+_SAVE_KEYS = {"external_data": bool | None, "max_shard_size": int | None, "check": bool}
+_DATA_KEYS = {"source": str, "samples": int, "seq_len": int, "batch": int, "tokenizer": str | None, "seed": int}
+
+
+def _kind(value: Any) -> str:
+    """A user value for a message: its JSON type and a bounded repr."""
+    from bitpress.options import _json_type
+    from bitpress.selection import short
+
+    return f"{_json_type(value)} {short(value)}" if value is not None else "null"
+
+
+def _typed(value: Any, tp: Any, where: str) -> Any:
+    """``value`` if it has type ``tp`` as JSON / YAML types it (no strings for numbers or booleans)."""
+    from bitpress.options import coerce
+
+    try:
+        return coerce(value, tp, strict=True)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {_one_line(str(exc))}") from None
+
+
+def check_jobs(value: Any, where: str = "jobs") -> int | None:
+    """Worker threads: None (all cores) or an integer from 1 to MAX_JOBS (not a string, not a boolean)."""
+    if value is None:
+        return None
+    jobs = _typed(value, int, where)
+    if not 1 <= jobs <= MAX_JOBS:
+        raise ConfigError(
+            f"{where}: {jobs} is not a number of worker threads (1 to {MAX_JOBS}; leave it out for all cores)")
+    return jobs
+
+
+def _path(config: dict[str, Any], key: str) -> str | None:
+    value = config.get(key)
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):  # from Python
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a path (a string), got {_kind(value)}")
+    if not value:
+        raise ConfigError(f"{key}: the path is empty")
+    if "\0" in value:
+        raise ConfigError(f"{key}: the path holds a NUL character")
+    return value
+
+
+def _mapping(value: Any, keys: dict[str, Any], where: str) -> dict[str, Any]:
+    """A mapping whose keys are among ``keys`` and whose values have the types ``keys`` gives them."""
+    from bitpress.options import _did_you_mean
+
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping ({', '.join(keys)}), got {_kind(value)}")
+    bad = [k for k in value if not isinstance(k, str) or k not in keys]
+    if bad:
+        name = bad[0] if isinstance(bad[0], str) else repr(bad[0])
+        raise ConfigError(f"{where}: unknown key {_did_you_mean(name, set(keys))}; valid keys: {', '.join(keys)}")
+    return {k: _typed(v, keys[k], f"{where}.{k}") for k, v in value.items()}
+
+
+def _timeout(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    seconds = _typed(value, float, where)
+    if not seconds > 0:
+        raise ConfigError(f"{where}: expected a positive number of seconds, got {_kind(value)}")
+    return seconds
+
+
+def _data(value: Any) -> Any:
+    from bitpress.data import DataConfig
+
+    if value is None or isinstance(value, DataConfig):
+        return value
+    if isinstance(value, str):
+        return DataConfig.from_value(value)
+    values = _mapping(value, _DATA_KEYS, "data")
+    for key in ("samples", "seq_len", "batch"):
+        if key in values and values[key] < 1:
+            raise ConfigError(f"data.{key}: expected a positive integer, got {values[key]}")
+    return DataConfig.from_value(values)
+
+
+def _pass_entries(raw: Any) -> list[tuple[str, dict[str, Any]]]:
+    """``passes``: a list of mappings, or Olive's mapping of names to mappings; (label, entry) pairs."""
+    from bitpress.selection import short
+
+    if isinstance(raw, dict):  # Olive-style {"name": {"type": ..., ...}}: the name is the step's label
+        entries = [(k if isinstance(k, str) and len(k) <= 60 else short(k, 60), v) for k, v in raw.items()]
+        where = "passes.{}"
+    elif isinstance(raw, list):
+        entries = [(f"passes[{i}]", v) for i, v in enumerate(raw)]
+        where = "{}"
+    else:
+        raise ConfigError("passes: expected a list of passes (mappings with a 'type'), or Olive's mapping of "
+                          f"names to such mappings, got {_kind(raw)}")
+    if not entries:
+        raise ConfigError("the config needs a non-empty 'passes' list")
+    out = []
+    for label, entry in entries:
+        at = where.format(label)
+        if not isinstance(entry, dict) or "type" not in entry:
+            hint = f" (write {{type: {entry}}})" if isinstance(entry, str) and len(entry) < 60 else ""
+            raise ConfigError(f"{at} must be a mapping with a 'type' (a pass name), got {_kind(entry)}{hint}")
+        bad = [k for k in entry if not isinstance(k, str)]
+        if bad:
+            raise ConfigError(f"{at}: option names are strings, got {_kind(bad[0])}")
+        out.append((label, entry))
+    return out
 
 
 def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> Workflow:
-    """Validate a config (dict) and build every pass; fails before any work is done."""
+    """Validate a config (dict) and build every pass; fails before any work is done.
+
+    Values must have their types as JSON / YAML write them: ``overwrite: "false"`` or
+    ``jobs: "8"`` are errors (never True, never 8), as are strings for a pass's numbers and
+    booleans; only ``--option k=v`` on the command line is parsed from strings. Everything here is
+    checked before :func:`run_workflow` reads the model or creates a folder.
+    """
+    from bitpress.options import _did_you_mean
+
     registry = registry or get_registry()
+    if not isinstance(config, dict):
+        raise ConfigError(f"the config must be a mapping (input, output, passes, ...), got {_kind(config)}")
+    _check_size(config, "the config")
+    bad = [k for k in config if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"config keys are names (strings), got {_kind(bad[0])}")
     unknown = sorted(set(config) - _TOP_KEYS)
     if unknown:
-        valid = ", ".join(sorted(_TOP_KEYS - {"input_model", "output_dir"}))
-        raise ConfigError(f"unknown config key(s) {', '.join(unknown)}; valid: {valid}")
-    src = config.get("input")
-    if src is None and isinstance(config.get("input_model"), dict):  # Olive-style
-        src = config["input_model"].get("model_path")
-    dst = config.get("output", config.get("output_dir"))
+        valid = sorted(_TOP_KEYS - {"input_model", "output_dir"})
+        named = ", ".join(_did_you_mean(k, set(valid)) for k in unknown[:5])
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise ConfigError(f"unknown config key(s) {named}{more}; valid: {', '.join(valid)}")
+    src = _path(config, "input")
+    if src is None and config.get("input_model") is not None:  # Olive-style
+        model = config["input_model"]
+        if not isinstance(model, dict):
+            raise ConfigError(f"input_model: expected a mapping with a model_path, got {_kind(model)}")
+        src = _path(model, "model_path")
+    dst = _path(config, "output")
+    if dst is None:
+        dst = _path(config, "output_dir")
     if not src or not dst:
         raise ConfigError("the config needs 'input' (a model) and 'output' (where to write it)")
-    raw_passes = config.get("passes") or []
-    if isinstance(raw_passes, dict):  # Olive-style {"name": {"type": ..., ...}}
-        raw_passes = [dict(v, _label=k) for k, v in raw_passes.items()]
-    if not isinstance(raw_passes, list) or not raw_passes:
+    jobs = check_jobs(config.get("jobs"))
+    overwrite = config.get("overwrite")
+    overwrite = False if overwrite is None else _typed(overwrite, bool, "overwrite")
+    default_timeout = _timeout(config.get("env_timeout"), "env_timeout")
+    save = config.get("save")
+    save_opts = SaveOptions(**_mapping(save, _SAVE_KEYS, "save")) if save is not None else SaveOptions()
+    if save_opts.max_shard_size is not None and save_opts.max_shard_size < 1:
+        raise ConfigError(f"save.max_shard_size: expected a positive number of bytes, got {save_opts.max_shard_size}")
+    comps = config.get("components")
+    if isinstance(comps, str):
+        comps = [comps]
+    if comps is not None:
+        comps = _typed(comps, list[str], "components")
+        if not all(comps):
+            raise ConfigError("components: the names must not be empty")
+    data = _data(config.get("data"))
+    raw_passes = config.get("passes")
+    if raw_passes is None:
         raise ConfigError("the config needs a non-empty 'passes' list")
     steps = []
     model_kind: str | None = None
-    for i, entry in enumerate(raw_passes):
-        if not isinstance(entry, dict) or "type" not in entry:
-            raise ConfigError(f"passes[{i}] must be a mapping with a 'type' (a pass name)")
+    for label, entry in _pass_entries(raw_passes):
         entry = dict(entry)
-        label = str(entry.pop("_label", f"passes[{i}]"))
-        kind = str(entry.pop("type"))
-        precision = entry.pop("precision", None)
-        options = entry.pop("options", {}) or {}
+        entry.pop("_label", None)
+        kind = entry.pop("type")
+        if not isinstance(kind, str) or not kind:
+            raise ConfigError(f"{label}.type: expected a pass name (a string), got {_kind(kind)}")
+        precision = _typed(entry.pop("precision", None), str | None, f"{label}.precision")
+        options = entry.pop("options", None)
+        if options is None:
+            options = {}
         if not isinstance(options, dict):
-            raise ConfigError(f"{label}: 'options' must be a mapping")
+            raise ConfigError(f"{label}.options: expected a mapping of option names to values, got {_kind(options)}")
         # where the pass runs: `here` or a plugin environment (bitpress env create); default: where it can
-        env = entry.pop("env", None)
-        env_timeout = entry.pop("env_timeout", config.get("env_timeout"))
+        env = _typed(entry.pop("env", None), str | None, f"{label}.env")
+        # run the pass in a worker process of this environment (a native crash becomes a clean error)
+        isolate = _typed(entry.pop("isolate", None), bool | None, f"{label}.isolate") or False
+        env_timeout = _timeout(entry.pop("env_timeout"), f"{label}.env_timeout") if "env_timeout" in entry \
+            else default_timeout
         options = {**entry, **options}
         try:
             if env is None:
@@ -180,31 +435,17 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
                 raise
             raise PassNotFoundError(f"{label}.{where}: {exc}") from None
         precision = canonical_precision(cls, precision)  # INT4 -> int4, as the pass declares it
-        pass_ = cls.from_config(options, precision)
+        # a config's values are typed (JSON / YAML): checked as they are, strings are not parsed
+        pass_ = cls.from_config(options, precision, strict=True)
         if cls.output_kind is not None:  # later algorithm names are chosen for the converted model
             model_kind = cls.output_kind
         if env_timeout is not None:
-            from bitpress.envs.remote import parse_timeout
-
             # seconds; only used when the pass runs in a plugin environment
-            pass_.env_timeout = parse_timeout(env_timeout, f"{label}: env_timeout")  # type: ignore[attr-defined]
-        steps.append(PassStep(pass_, label))
-    save = config.get("save") or {}
-    try:
-        save_opts = SaveOptions(**save)
-    except TypeError as exc:
-        raise ConfigError(f"save: {exc}; valid keys: external_data, max_shard_size, check") from None
-    comps = config.get("components")
-    if isinstance(comps, str):
-        comps = [comps]
-    data = None
-    if config.get("data") is not None:
-        from bitpress.data import DataConfig
-
-        data = DataConfig.from_value(config["data"])
+            pass_.env_timeout = env_timeout  # type: ignore[attr-defined]
+        steps.append(PassStep(pass_, label, isolate=isolate))
     return Workflow(
         input=Path(src), output=Path(dst), steps=steps, components=comps,
-        jobs=config.get("jobs"), overwrite=bool(config.get("overwrite", False)), save=save_opts, data=data,
+        jobs=jobs, overwrite=overwrite, save=save_opts, data=data,
     )
 
 
@@ -226,8 +467,12 @@ def _resolve_pass(registry: Registry, kind: str, precision: str | None, model_ki
             (cls for alias, cls in aliases.items() if alias.casefold() == key), None)
         if found is not None:
             return registry.get_pass(found.name)
-        hint = did_you_mean(kind, [*registry.passes, *algorithms, *aliases])
-        exc = PassNotFoundError(f"unknown pass {kind!r}{hint} (see `bitpress passes list`){registry.broken_hint()}")
+        registry.check_not_broken(kind)  # the name of a plugin that failed to load: unavailable, not a typo
+        from bitpress.selection import short
+
+        hint = did_you_mean(kind, [*registry.passes, *algorithms, *aliases]) if len(kind) <= 100 else ""
+        exc = PassNotFoundError(
+            f"unknown pass {short(kind)}{hint} (see `bitpress passes list`){registry.broken_hint()}")
         exc.key = "type"  # type: ignore[attr-defined]
         raise exc
     return registry.select(kind, precision, model_kind)
@@ -257,6 +502,8 @@ def run_workflow(
 ) -> RunResult:
     registry = registry or get_registry()
     src = wf.input
+    # every setup error comes before anything is created on disk (no folder, no lock, no temporary folder)
+    jobs = check_jobs(wf.jobs)  # a Workflow built in Python skips build_workflow's checks
     if not src.exists():
         from bitpress.errors import ModelLoadError
 
@@ -264,59 +511,81 @@ def run_workflow(
     # a file output for `.onnx` or the input's own suffix (formats added by plugins), else a folder
     folder_out = src.is_dir() or wf.output.suffix.lower() not in {".onnx", src.suffix.lower()} - {""}
     _check_output(src, wf.output, folder_out, wf.overwrite)
+    target = output.final_path(wf.output)
+    output.check_parent(target, wf.output)
 
     model = registry.hook.bitpress_load_model(source=src, options={})
     if model is None:
         raise UsageError(f"no plugin can load {src}")
-    _check_output_spares_input(model, wf.output, folder_out)
-    for step in wf.steps:
-        kinds = step.pass_.model_kinds
-        target_kind = "onnx" if isinstance(model, OnnxPackage) else model.kind
-        if target_kind not in kinds:
-            raise UsageError(f"{step.label}: pass {step.pass_.name} does not accept {target_kind} models")
-        if step.pass_.needs_data and wf.data is None:
-            raise UsageError(
-                f"{step.label}: pass {step.pass_.name} needs calibration data: give --data "
-                "(random, a .npz file or folder, or a .txt file with a tokenizer) or 'data:' in the config"
-            )
-
-    parent = wf.output.resolve().parent
-    # folders this run creates for the output, deepest first: removed again if the run fails
-    created = [d for d in (parent, *parent.parents) if not d.exists()]
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f".{wf.output.name}.bitpress-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    try:
+        _check_output_spares_input(model, wf.output, folder_out)
+        for step in wf.steps:
+            kinds = step.pass_.model_kinds
+            target_kind = "onnx" if isinstance(model, OnnxPackage) else model.kind
+            if target_kind not in kinds:
+                raise UsageError(f"{step.label}: pass {step.pass_.name} does not accept {target_kind} models")
+            if step.pass_.needs_data and wf.data is None:
+                raise UsageError(
+                    f"{step.label}: pass {step.pass_.name} needs calibration data: give --data "
+                    "(random, a .npz file or folder, or a .txt file with a tokenizer) or 'data:' in the config"
+                )
+    except BaseException:
+        if isinstance(model, OnnxModel):
+            model.close()
+        raise
+    tmp = target.parent / f".{target.name}.bitpress-{uuid.uuid4().hex[:8]}"
+    lock = output.OutputLock(target, wf.output)
     context = PassContext(workdir=tmp / "scratch", data=wf.data)
-    if wf.jobs:
-        context.jobs = max(1, int(wf.jobs))
+    if jobs:
+        context.jobs = jobs
     if progress is not None:
         context.progress = progress
     seconds: dict[str, float] = {}
+    committed = False
+    created: list[Path] = []
     try:
-        payload = tmp / "payload"
-        if isinstance(model, OnnxPackage):
-            files = _run_package(model, wf, registry, context, payload, seconds)
-            staged = payload
-        else:
-            name = wf.output.name if not folder_out else src.name
-            dest = payload / name
-            model = _run_passes(model, wf, registry, context, seconds)
-            t0 = time.perf_counter()
-            files = _save(registry, model, dest, wf.save)
-            _note_checker(context, model, dest)
-            seconds["save"] = time.perf_counter() - t0
-            staged = payload if folder_out else dest
-        final_files = _move_into_place(staged, wf.output, folder_out, files, tmp)
-        created = []
+        try:
+            # folders this run creates for the output, deepest first: removed again if the run fails
+            created = output.make_parents(target.parent, wf.output)
+            lock.acquire()  # one run per output; held until the end
+            _check_output_free(target, wf.output, folder_out, wf.overwrite)  # again, now that no run can write it
+            tmp.mkdir()
+            payload = tmp / "payload"
+            if isinstance(model, OnnxPackage):
+                files = _run_package(model, wf, registry, context, payload, seconds)
+                staged = payload
+            else:
+                name = wf.output.name if not folder_out else src.name
+                dest = payload / name
+                model = _run_passes(model, wf, registry, context, seconds)
+                t0 = time.perf_counter()
+                files = _save(registry, model, dest, wf.save)
+                _note_checker(context, model, dest)
+                seconds["save"] = time.perf_counter() - t0
+                staged = payload if folder_out else dest
+            with deferred():  # a signal now waits until the output is wholly in place, or not at all
+                final_files = _move_into_place(staged, wf.output, folder_out, files, tmp, wf.overwrite)
+                committed = True
+                note_written(wf.output)  # a signal from now on says the output is complete
+        except OSError as exc:  # a full disk, a read-only file system, a permission refused: the user's to fix
+            error = output.write_error(exc, wf.output)
+            if error is None:
+                raise
+            raise error from exc
+        except PluginError as exc:  # the same, met in a plugin's hook (its save): not the plugin's fault
+            cause = exc.__cause__
+            error = output.write_error(cause, wf.output) if isinstance(cause, OSError) else None
+            if error is None:
+                raise
+            raise error from exc
     finally:
-        if isinstance(model, OnnxModel):
-            model.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        for d in created:
-            try:
-                d.rmdir()
-            except OSError:
-                break
+        with deferred():  # the cleanup is never cut short by a signal
+            if isinstance(model, OnnxModel):
+                model.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+            lock.release()
+            if not committed:
+                output.remove_created(created)
     in_bytes = _size_of(src)
     out_bytes = sum(f.stat().st_size for f in final_files if f.is_file())
     companions = int(context.extras.get("companion_bytes", 0))
@@ -339,15 +608,21 @@ def _run_passes(
     model: ModelHandle, wf: Workflow, registry: Registry, context: PassContext, seconds: dict[str, float],
     prefix: str = "",
 ) -> ModelHandle:
+    from bitpress.envs.remote import EnvPass, run_isolated
+
     for step in wf.steps:
         if isinstance(model, OnnxModel):
             model.use_workdir(context.workdir)
         t0 = time.perf_counter()
         log.info("running %s (%s)%s", step.pass_.name, step.label, f" on {prefix}" if prefix else "")
-        result = registry.hook.bitpress_run_pass(pass_=step.pass_, model=model, context=context)
-        if result is None:
-            raise UsageError(f"{step.label}: no plugin ran pass {step.pass_.name}")
-        model = result
+        if (wf.isolate or step.isolate) and not isinstance(step.pass_, EnvPass):
+            # in a worker process of this environment: an abort or a segfault there is a clean error here
+            # (passes of plugin environments always run in a worker of their own)
+            result = run_isolated(step.pass_, model, context)
+        else:
+            result = registry.hook.bitpress_run_pass(pass_=step.pass_, model=model, context=context)
+        # None, not a model handle, or a handle whose files are gone: the pass failed, whatever it meant
+        model = check_result(step.pass_, result, step.label)
         key = f"{prefix}{step.pass_.name}"
         seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t0
         record_pass(model, step.pass_)
@@ -461,12 +736,28 @@ def _check_output(src: Path, out: Path, folder_out: bool, overwrite: bool) -> No
             raise OutputError(
                 f"the output {out} would overwrite the input model or its data; choose another path"
             )
-    if out.exists() and not overwrite:
-        if out.is_dir() and not any(out.iterdir()):
-            return
+    _check_output_free(output.final_path(out), out, folder_out, overwrite)
+
+
+def _check_output_free(target: Path, shown: Path, folder_out: bool, overwrite: bool) -> None:
+    """Without ``overwrite``, nothing may be where the output goes (a folder output may be an empty folder).
+
+    Checked at the start and again once the run holds the output's lock; the final move checks it
+    a last time, atomically (:mod:`bitpress.output`).
+    """
+    if overwrite:
+        return
+    if os.path.lexists(target) and not (folder_out and output.is_empty_dir(target)):
         raise OutputError(
-            f"the output {out} already exists; remove it or pass --overwrite (overwrite=True from Python)"
+            f"the output {shown} already exists; remove it or pass --overwrite (overwrite=True from Python)"
         )
+    if not folder_out:
+        stale = output.data_files(target)
+        if stale:
+            raise OutputError(
+                f"the output's data file {stale[0].name} already exists beside {shown} (an earlier run's?); "
+                "remove it or pass --overwrite (overwrite=True from Python)"
+            )
 
 
 def _check_output_spares_input(model: ModelHandle, out: Path, folder_out: bool) -> None:
@@ -485,22 +776,21 @@ def _check_output_spares_input(model: ModelHandle, out: Path, folder_out: bool) 
             raise OutputError(f"the output {out} would overwrite the input's file {f}; choose another path")
 
 
-def _move_into_place(staged: Path, out: Path, folder_out: bool, files: list[Path], tmp: Path) -> list[Path]:
+def _move_into_place(
+    staged: Path, out: Path, folder_out: bool, files: list[Path], tmp: Path, overwrite: bool = False,
+) -> list[Path]:
+    """Move the finished output in; without ``overwrite`` never over anything that appeared meanwhile.
+
+    With ``overwrite`` the old output (and, for a single file, its data files) moves aside into
+    ``tmp`` first and is deleted with it; if the new one cannot be moved in, the old one is put back.
+    """
+    target = output.final_path(out)
     if folder_out:
-        if out.exists():
-            old = tmp / "previous"
-            os.replace(out, old)  # the old output stays whole until the new one is in place
-        os.replace(staged, out)
+        output.commit_folder(staged, target, out, overwrite, tmp / "previous")
         return [out / f.relative_to(staged) for f in files]
-    # a single .onnx: move its data files first, the model last
-    final = []
-    for stale in out.parent.glob(out.name + ".data*"):
-        stale.unlink()
-    for f in sorted(files, key=lambda p: p.suffix == ".onnx"):
-        dst = out.with_name(f.name)
-        os.replace(f, dst)
-        final.append(dst)
-    return final
+    # a single .onnx: its data files first, the model last
+    placed = output.commit_files(files, target, out, overwrite, tmp / "previous")
+    return [out.with_name(p.name) for p in placed]
 
 
 def _size_of(path: Path) -> int:

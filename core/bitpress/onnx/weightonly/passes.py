@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from bitpress.errors import QuantizationError
+from bitpress.interrupts import cancel_pending
 from bitpress.memory import trim_heap
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.weightonly.planning import Group, Plan, WeightOnlyOptions, plan
@@ -51,7 +52,9 @@ def quantize_weights(
         return solve_group(model, group, solver, float_zero_points, imp, kernel)
 
     # bounded in-flight work: at most ``jobs + 1`` tensors solved but not yet written
-    with context.step(len(p.groups), "quantizing") as advance, ThreadPoolExecutor(jobs) as pool:
+    # an error or a signal drops the queued tensors; the executor waits only for those being solved
+    with context.step(len(p.groups), "quantizing") as advance, ThreadPoolExecutor(jobs) as pool, \
+            cancel_pending(pool):
         pending: set[Future[Result]] = set()
         todo = iter(sorted(p.groups, key=lambda g: -_numel(model, g)))
         done_all = False

@@ -20,7 +20,7 @@ from bitpress.onnx import layout
 from bitpress.onnx.graph import consumers, producers, used_names
 from bitpress.options import option
 from bitpress.quant.solver import check_block_size
-from bitpress.selection import NameMatcher
+from bitpress.selection import NameMatcher, short
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 
@@ -56,15 +56,21 @@ class WeightOnlyOptions:
         if bad:
             raise ValueError(f"op_types {bad} are not supported; use MatMul, Gemm, Gather")
         for pattern, settings in self.overrides.items():
+            where = f"overrides[{short(pattern, 60)}]"
             if not isinstance(settings, dict) or set(settings) - {"bits", "block_size", "is_symmetric"}:
-                raise ValueError(
-                    f"overrides[{pattern!r}] must map to bits / block_size / is_symmetric, got {settings!r}"
-                )
-            check_bits_block(
-                int(settings.get("bits", self.bits)),
-                int(settings.get("block_size", self.block_size)),
-                f"overrides[{pattern!r}]: ",
-            )
+                raise ValueError(f"{where} must map to bits / block_size / is_symmetric, got {short(settings)}")
+            # JSON values, from a config file or --option alike: typed as they are, never parsed from strings
+            for key, tp in (("bits", int), ("block_size", int), ("is_symmetric", bool)):
+                value = settings.get(key)
+                if value is not None and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
+                    kind = "an integer" if tp is int else "true or false"
+                    raise ValueError(f"{where}: {key} must be {kind}, got {short(value)}")
+            check_bits_block(settings.get("bits", self.bits), settings.get("block_size", self.block_size),
+                             f"{where}: ")
+        # compile the patterns now: a pattern RE2 cannot express is refused before any model is read
+        NameMatcher(self.nodes_to_include, what="nodes_to_include")
+        NameMatcher(self.nodes_to_exclude, what="nodes_to_exclude")
+        NameMatcher(list(self.overrides), what="overrides key")
 
 
 def check_bits_block(bits: int, block_size: int, where: str) -> None:
