@@ -301,7 +301,8 @@ def _check_one_winner(results: list[subprocess.CompletedProcess], out: Path) -> 
     assert codes == [0, 1], [(r.returncode, r.stderr) for r in results]
     loser = next(r for r in results if r.returncode == 1)
     line = one_error_line(loser.stderr)
-    assert any(m in line for m in ("another bitpress run (process", "already exists", "appeared")), line
+    # the lock's holder may not have written its pid yet: then the message names no process
+    assert any(m in line for m in ("another bitpress run", "already exists", "appeared")), line
     onnx.checker.check_model(str(out))
     assert sorted(p.name for p in out.parent.iterdir()) == sorted({out.name, *[p.name for p in out.parent.glob(
         out.name + ".data*")]})

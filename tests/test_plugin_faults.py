@@ -521,3 +521,39 @@ def test_worker_timeout_applies_to_isolated_passes(site: Path, run_cli, tiny_dec
     assert_clean_failure(code, out, err, "pass faulty did not finish within 2 s", "nothing was written")
     assert time.monotonic() - t0 < 60
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("fault", ["raise", "exit"])
+def test_faulty_availability_check_does_not_stop_passes_list(fault: str, make_registry, run_cli) -> None:
+    """A pass whose unavailable_reason() raises (or exits) is listed as unavailable, with the fault."""
+    from types import SimpleNamespace
+
+    from bitpress import hookimpl
+
+    class Flaky(Pass):
+        name = "flaky"
+        algorithms = ("flaky",)
+        precisions = ("int4",)
+
+        @classmethod
+        def unavailable_reason(cls) -> str | None:
+            if fault == "exit":
+                sys.exit(3)
+            raise RuntimeError("probe exploded")
+
+        def run(self, model, context):  # pragma: no cover - never runs
+            return model
+
+    @hookimpl
+    def bitpress_register_passes(register):
+        register(Flaky)
+
+    reg = make_registry(("flaky", SimpleNamespace(bitpress_register_passes=bitpress_register_passes)))
+    code, out, err = run_cli("passes", "list", "--json", registry=reg)
+    assert code == 0, err
+    rows = {r["pass"]: r for r in json.loads(out)}
+    assert rows["flaky"]["available"] is False
+    assert rows["flaky"]["reason"].startswith("its availability check failed: ")
+    assert rows["rtn"]["available"] is True
+    code, _, err = run_cli("quantize", "-m", "x.onnx", "-o", "y.onnx", "--algorithm", "flaky", registry=reg)
+    assert code != 0 and "internal error" not in err and "availability check failed" in err

@@ -36,6 +36,27 @@ log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "bitpress"
 
 
+def _guard_availability(cls: type[Pass]) -> None:
+    """Make a plugin's ``unavailable_reason()`` that raises report the fault as the reason.
+
+    ``passes list`` asks every pass; a plugin's faulty check must not stop the listing.
+    """
+    func = cls.unavailable_reason.__func__  # type: ignore[attr-defined]
+    if getattr(func, "_bitpress_guarded", False):
+        return
+
+    def guarded(c: type[Pass]) -> str | None:
+        try:
+            return func(c)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit and custom BaseExceptions too
+            return f"its availability check failed: {type(exc).__name__}: {exc}"
+
+    guarded._bitpress_guarded = True  # type: ignore[attr-defined]
+    cls.unavailable_reason = classmethod(guarded)  # type: ignore[method-assign,assignment]
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """``"; did you mean 'x'?"`` (or ``'x' or 'y'``) for the choices close to ``name``, else ``""``.
 
@@ -306,6 +327,7 @@ class Registry:
                 unique[cls.name] = cls
             for cls in unique.values():
                 cls.plugin = name
+                _guard_availability(cls)
                 self.passes[cls.name] = cls
                 info.passes.append(cls.name)
             self._guard_hooks(plugin, name)
