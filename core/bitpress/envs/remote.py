@@ -472,19 +472,11 @@ def _isolated_reports(path: Path, result: dict[str, Any], name: str) -> list[tup
 def _isolated_failure(name: str, plugin: str, rc: int, result: dict[str, Any]) -> BitpressError:
     """The error for an isolated worker that failed: its own error, or how it died."""
     who = f"pass {name} (plugin {plugin})"
-    error = result.get("error")
-    if isinstance(error, dict):
-        detail = error.get("traceback")
-        if detail:
-            log.debug("%s failed in its worker with:\n%s", who, detail)
-        type_name, message = str(error.get("type", "Error")), str(error.get("message", "")).strip()
-        cls = getattr(_errors, type_name, None) or getattr(protocol, type_name, None)
-        if isinstance(cls, type) and issubclass(cls, BitpressError):
-            if issubclass(cls, PassNotFoundError):
-                message += ("; an isolated pass must come from an installed plugin (an entry point in the "
-                            "'bitpress' group), which its worker loads")
-            return cls(f"{message} (in its isolated worker)")
-        return WorkerError(f"{who} failed in its worker: {type_name}: {message}; nothing was written")
+    hint = ("; an isolated pass must come from an installed plugin (an entry point in the 'bitpress' group), "
+            "which its worker loads")
+    reported = _reported_error(result, f"{who} in its worker", "in its isolated worker", not_found_hint=hint)
+    if reported is not None:
+        return reported
     if rc < 0:
         return WorkerError(f"{who} crashed in its worker (signal {signal_name(-rc)}); nothing was written "
                            "(-v shows the worker's output)")
@@ -648,6 +640,23 @@ def _pump_records(stream: IO[str], env_name: str, tail: deque[str], tag: str | N
         logging.getLogger(target).log(level, "[%s] %s", tag, msg)
 
 
+def _reported_error(result: dict[str, Any], who: str, where_: str, *, not_found_hint: str = "") -> BitpressError | None:
+    """The error a worker reported in its result file, as the host's class when it is a bitpress one."""
+    error = result.get("error")
+    if not isinstance(error, dict):
+        return None
+    detail = error.get("traceback")
+    if detail:
+        log.debug("%s failed with:\n%s", who, detail)
+    type_name, message = str(error.get("type", "Error")), str(error.get("message", "")).strip()
+    cls = getattr(_errors, type_name, None) or getattr(protocol, type_name, None)
+    if isinstance(cls, type) and issubclass(cls, BitpressError):
+        if issubclass(cls, PassNotFoundError):
+            message += not_found_hint
+        return cls(f"{message} ({where_})")
+    return WorkerError(f"{who} failed: {type_name}: {message}; nothing was written")
+
+
 def _read_result(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -659,16 +668,9 @@ def _read_result(path: Path) -> dict[str, Any]:
 def _failure(pass_: EnvPass, rc: int, result: dict[str, Any], tail: list[str]) -> BitpressError:
     """The error to raise for a failed worker: the worker's own class when it is a bitpress error."""
     where_ = f"pass {pass_.name} in environment {pass_.env!r}"
-    error = result.get("error")
-    if isinstance(error, dict):
-        detail = error.get("traceback")
-        if detail:
-            log.debug("%s failed with:\n%s", where_, detail)
-        type_name, message = str(error.get("type", "Error")), str(error.get("message", "")).strip()
-        cls = getattr(_errors, type_name, None) or getattr(protocol, type_name, None)
-        if isinstance(cls, type) and issubclass(cls, BitpressError):
-            return cls(f"{message} (in environment {pass_.env!r})")
-        return WorkerError(f"{where_} failed: {type_name}: {message}")
+    reported = _reported_error(result, where_, f"in environment {pass_.env!r}")
+    if reported is not None:
+        return reported
     died = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
     if rc < 0 and signal_name(-rc) != str(-rc):
         died += f" ({signal_name(-rc)})"
