@@ -275,7 +275,6 @@ class RemoteReport:
 def run_in_env(pass_: EnvPass, model: ModelHandle, context: PassContext) -> ModelHandle:
     """Run ``pass_`` in its environment on ``model``; returns the output model (files in the workdir)."""
     from bitpress.models.onnx_model import OnnxModel
-    from bitpress.onnx.save import SaveOptions, save_onnx
 
     env, name = pass_.env, pass_.name
     if not isinstance(model, OnnxModel):
@@ -284,15 +283,7 @@ def run_in_env(pass_: EnvPass, model: ModelHandle, context: PassContext) -> Mode
     if reason:
         raise PassUnavailableError(f"pass {name!r} (plugin {pass_.plugin}) is unavailable: {reason}")
     python = env_python(pass_.env_dir)
-    job_dir = _workdir(context) / f"env-{env}-{name}-{uuid.uuid4().hex[:8]}"
-    folders = {k: job_dir / k for k in ("input", "output", "cwd", "tmp", "work")}
-    for folder in folders.values():
-        folder.mkdir(parents=True)
-    origin = getattr(model, "bitpress_origin", model.source)
-    model_name = model.source.name if model.source.suffix == ".onnx" else "model.onnx"
-    t0 = time.perf_counter()
-    save_onnx(model, folders["input"] / model_name, SaveOptions(external_data=True, check=False))
-    log.debug("saved the model for environment %s in %.1f s", env, time.perf_counter() - t0)
+    job_dir, folders, origin, model_name = _stage_job(model, context, f"env-{env}-{name}", f"environment {env}")
     job = {
         "protocol": PROTOCOL,
         "pass": name,
@@ -378,7 +369,6 @@ def run_isolated(pass_: Pass, model: ModelHandle, context: PassContext) -> Model
     import pickle
 
     from bitpress.models.onnx_model import OnnxModel
-    from bitpress.onnx.save import SaveOptions, save_onnx
     from bitpress.options import as_dict
 
     name, plugin = pass_.name, getattr(pass_, "plugin", "?")
@@ -388,15 +378,7 @@ def run_isolated(pass_: Pass, model: ModelHandle, context: PassContext) -> Model
     if not sys.executable:
         raise WorkerError(f"pass {name} cannot run isolated: this Python does not know its interpreter "
                           "(sys.executable)")
-    job_dir = _workdir(context) / f"isolated-{name}-{uuid.uuid4().hex[:8]}"
-    folders = {k: job_dir / k for k in ("input", "output", "cwd", "tmp", "work")}
-    for folder in folders.values():
-        folder.mkdir(parents=True)
-    origin = getattr(model, "bitpress_origin", model.source)
-    model_name = model.source.name if model.source.suffix == ".onnx" else "model.onnx"
-    t0 = time.perf_counter()
-    save_onnx(model, folders["input"] / model_name, SaveOptions(external_data=True, check=False))
-    log.debug("saved the model for the isolated worker in %.1f s", time.perf_counter() - t0)
+    job_dir, folders, origin, model_name = _stage_job(model, context, f"isolated-{name}", "the isolated worker")
     try:
         options = json.loads(json.dumps(as_dict(pass_.options), default=str))
     except TypeError:  # options that are not a dataclass
@@ -482,6 +464,28 @@ def _isolated_failure(name: str, plugin: str, rc: int, result: dict[str, Any]) -
                            "(-v shows the worker's output)")
     return WorkerError(f"{who}: its worker exited with code {rc} without a result; nothing was written "
                        "(-v shows the worker's output)")
+
+
+def _stage_job(
+    model: Any, context: PassContext, prefix: str, for_whom: str
+) -> tuple[Path, dict[str, Path], Path, str]:
+    """A worker job's folders in the run's work folder, with the model saved into ``input/``.
+
+    Returns the job folder, its sub-folders (input, output, cwd, tmp, work), where the model
+    came from, and the model's file name.
+    """
+    from bitpress.onnx.save import SaveOptions, save_onnx
+
+    job_dir = _workdir(context) / f"{prefix}-{uuid.uuid4().hex[:8]}"
+    folders = {k: job_dir / k for k in ("input", "output", "cwd", "tmp", "work")}
+    for folder in folders.values():
+        folder.mkdir(parents=True)
+    origin = getattr(model, "bitpress_origin", model.source)
+    model_name = model.source.name if model.source.suffix == ".onnx" else "model.onnx"
+    t0 = time.perf_counter()
+    save_onnx(model, folders["input"] / model_name, SaveOptions(external_data=True, check=False))
+    log.debug("saved the model for %s in %.1f s", for_whom, time.perf_counter() - t0)
+    return job_dir, folders, origin, model_name
 
 
 _fallback_dirs: list[str] = []
