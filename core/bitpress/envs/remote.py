@@ -285,19 +285,11 @@ def run_in_env(pass_: EnvPass, model: ModelHandle, context: PassContext) -> Mode
     python = env_python(pass_.env_dir)
     job_dir, folders, origin, model_name = _stage_job(model, context, f"env-{env}-{name}", f"environment {env}")
     job = {
-        "protocol": PROTOCOL,
         "pass": name,
         "precision": pass_.precision,
         "options": pass_.given,
         "strict": pass_.strict,
-        "model": str(folders["input"] / model_name),
-        "source": str(origin),
-        "output": str(folders["output"] / model_name),
-        "result": str(job_dir / "result.json"),
-        "workdir": str(folders["work"]),
-        "data": _job_data(context.data, Path(origin)),
-        "jobs": context.jobs,
-        "log_level": logging.getLogger("bitpress").getEffectiveLevel(),
+        **_job_files(job_dir, folders, origin, model_name, context),
     }
     job_path = job_dir / "job.json"
     job_path.write_text(json.dumps(job, indent=2, default=str))
@@ -384,20 +376,12 @@ def run_isolated(pass_: Pass, model: ModelHandle, context: PassContext) -> Model
     except TypeError:  # options that are not a dataclass
         options = {}
     job: dict[str, Any] = {
-        "protocol": PROTOCOL,
         "pass": name,
         "precision": None,  # the options below already hold what the precision implied
         "options": options,
         "strict": False,
         "isolated": True,
-        "model": str(folders["input"] / model_name),
-        "source": str(origin),
-        "output": str(folders["output"] / model_name),
-        "result": str(job_dir / "result.json"),
-        "workdir": str(folders["work"]),
-        "data": _job_data(context.data, Path(origin)),
-        "jobs": context.jobs,
-        "log_level": logging.getLogger("bitpress").getEffectiveLevel(),
+        **_job_files(job_dir, folders, origin, model_name, context),
         # the same interpreter reads them back: the pass's options exactly, its reports whole
         "options_pickle": str(job_dir / "options.pickle"),
         "reports_pickle": str(job_dir / "reports.pickle"),
@@ -486,6 +470,23 @@ def _stage_job(
     save_onnx(model, folders["input"] / model_name, SaveOptions(external_data=True, check=False))
     log.debug("saved the model for %s in %.1f s", for_whom, time.perf_counter() - t0)
     return job_dir, folders, origin, model_name
+
+
+def _job_files(
+    job_dir: Path, folders: dict[str, Path], origin: Path, model_name: str, context: PassContext
+) -> dict[str, Any]:
+    """The fields of a worker job that every kind of job shares: protocol, files, data, threads, logs."""
+    return {
+        "protocol": PROTOCOL,
+        "model": str(folders["input"] / model_name),
+        "source": str(origin),
+        "output": str(folders["output"] / model_name),
+        "result": str(job_dir / "result.json"),
+        "workdir": str(folders["work"]),
+        "data": _job_data(context.data, Path(origin)),
+        "jobs": context.jobs,
+        "log_level": logging.getLogger("bitpress").getEffectiveLevel(),
+    }
 
 
 _fallback_dirs: list[str] = []
