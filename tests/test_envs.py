@@ -299,6 +299,14 @@ def test_env_create(plugin_env: SimpleNamespace) -> None:
     assert meta["protocol"] == PROTOCOL and meta["python"]["version"] and meta["created"]
     assert "envplugin-dep==1.0.0" in meta["freeze"] or any(x.startswith("envplugin-dep @") for x in meta["freeze"])
     assert f"{PLUGIN}[toolkit]" in meta["specs"]
+    # the plugin's [tool.bitpress.env] recipe: envplugin-extra installed first, in a pip call of its own,
+    # then removed with the reason recorded
+    first = f"pip install {ROOT / 'tests' / 'data' / 'envplugin_extra'} (first: {PLUGIN / 'pyproject.toml'})"
+    assert first in proc.stderr and "Successfully installed envplugin-extra-1.0.0" in proc.stderr
+    assert proc.stderr.index(first) < proc.stderr.index(f"pip install -e {ROOT}")
+    assert "pip uninstall envplugin-extra (a stand-in for a CUDA build" in proc.stderr
+    assert meta["removed"] == {"envplugin-extra": "a stand-in for a CUDA build a dependency pulls in"}
+    assert not any(x.startswith("envplugin-extra") for x in meta["freeze"])
     manifest = json.loads((path / "manifest.json").read_text())
     passes = {p["pass"]: p for p in manifest["passes"]}
     assert set(passes) == {"envround", "envplain"} and passes["envround"]["available"]
@@ -585,3 +593,28 @@ def test_env_remove(run_cli, envs: SimpleNamespace) -> None:
     bitpress.plugins._default = None
     code, out, _ = run_cli("passes", "list", "--json")
     assert "envround" not in {r["pass"] for r in json.loads(out)}
+
+
+def test_env_recipe(tmp_path: Path) -> None:
+    """A plugin's [tool.bitpress.env] table: read, relative paths resolved, bad tables refused by name."""
+    from bitpress.envs.manager import env_recipe
+
+    assert env_recipe(None).install_first == () and env_recipe(tmp_path).remove == ()
+    plugin = tmp_path / "plugin"
+    plugin.mkdir()
+    pyproject = plugin / "pyproject.toml"
+    pyproject.write_text('[project]\nname = "p"\n[tool.bitpress.env]\ninstall-first = ["torch==2.13.0", "../dep"]\n'
+                         'remove = { torchvision = "breaks CPU torch" }\n')
+    recipe = env_recipe(plugin)
+    assert recipe.install_first == ("torch==2.13.0", str(tmp_path / "dep"))
+    assert recipe.remove == (("torchvision", "breaks CPU torch"),) and recipe.source == str(pyproject)
+    for table, message in [
+        ('install-first = "torch"', "install-first must be a list"),
+        ('remove = ["torchvision"]', "remove must map distribution names to the reason"),
+        ('remove = { torchvision = "" }', "remove must map distribution names to the reason"),
+        ('remove = { "a b" = "x" }', "remove must map distribution names to the reason"),
+        ("first = []", "unknown keys first"),
+    ]:
+        pyproject.write_text(f'[project]\nname = "p"\n[tool.bitpress.env]\n{table}\n')
+        with pytest.raises(bitpress.errors.UsageError, match=message):
+            env_recipe(plugin)

@@ -198,6 +198,32 @@ def test_duplicate_pass_names_across_plugins() -> None:
     assert reg.plugins["again"].ok
 
 
+def test_pass_aliases(run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Aliases (the peer tool's pass names): found in any case, by --algorithm too; collisions refused."""
+    static = _pass("toy_static", algorithms=("toy_int8",), aliases=("OnnxStaticQuantization",))
+    reg = Registry(entry_points=False)
+    reg.register(_plugin(static, _pass("toy_other")), name="toy")
+    assert reg.find_pass("OnnxStaticQuantization") is static and reg.get_pass("onnxstaticquantization") is static
+    assert reg.select("OnnxStaticQuantization", None, "onnx") is static
+    with pytest.raises(PassNotFoundError, match="did you mean 'OnnxStaticQuantization'"):
+        reg.pass_named("OnnxStaticQuantizaton")
+    # an alias equal to another pass's name or alias, or badly formed, breaks the plugin that brings it
+    reg.register(_plugin(_pass("clash", aliases=("toy_other",))), name="clash")
+    assert "alias 'toy_other' of pass 'clash' is already pass 'toy_other'" in reg.plugins["clash"].error
+    reg.register(_plugin(_pass("clash2", aliases=("OnnxStaticQuantization",))), name="clash2")
+    assert "already an alias of pass 'toy_static'" in reg.plugins["clash2"].error
+    reg.register(_plugin(_pass("badalias", aliases=("Onnx Static",))), name="bad")
+    assert "aliases must be a tuple of identifiers" in reg.plugins["bad"].error
+    assert set(reg.passes) == {"toy_static", "toy_other"} and set(reg.aliases) == {"OnnxStaticQuantization"}
+    # passes list / show name them
+    monkeypatch.setattr("bitpress.cli._registry", lambda: reg)
+    code, out, _ = run_cli("passes", "show", "OnnxStaticQuantization")
+    assert code == 0 and out.startswith("toy_static (plugin toy)") and "also called: OnnxStaticQuantization" in out
+    code, out, _ = run_cli("passes", "list", "--json")
+    rows = {r["pass"]: r for r in json.loads(out)}
+    assert rows["toy_static"]["aliases"] == ["OnnxStaticQuantization"] and rows["toy_other"]["aliases"] == []
+
+
 # -- availability -------------------------------------------------------------------------------------------------
 GpuPass = _pass(
     "gpuquant", algorithms=("gpuq",), requires=("no_such_module_xyz", "numpy"),

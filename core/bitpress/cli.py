@@ -284,14 +284,14 @@ def _pass_rows() -> list[dict[str, Any]]:
     for cls in sorted(reg.passes.values(), key=lambda c: (c.plugin, c.name)):
         reason = cls.unavailable_reason()
         rows.append({
-            "pass": cls.name, "plugin": cls.plugin, "algorithms": list(cls.algorithms),
+            "pass": cls.name, "plugin": cls.plugin, "aliases": list(cls.aliases), "algorithms": list(cls.algorithms),
             "precisions": list(cls.precisions), "model_kinds": list(cls.model_kinds),
             "needs_data": cls.needs_data, "available": reason is None, "reason": reason,
             "summary": cls.summary, "where": where(cls),
         })
     for info in reg.broken():
         rows.append({
-            "pass": "?", "plugin": info.name, "algorithms": [], "precisions": [], "model_kinds": [],
+            "pass": "?", "plugin": info.name, "aliases": [], "algorithms": [], "precisions": [], "model_kinds": [],
             "needs_data": None, "available": False, "reason": f"plugin failed to load: {info.error}",
             "summary": "", "where": "here",
         })
@@ -332,7 +332,7 @@ def _cmd_passes_show(args: argparse.Namespace) -> int:
         opts = describe(cls.Options)
     if args.json:
         print(json.dumps({
-            "pass": cls.name, "plugin": cls.plugin, "summary": cls.summary,
+            "pass": cls.name, "plugin": cls.plugin, "summary": cls.summary, "aliases": list(cls.aliases),
             "algorithms": list(cls.algorithms), "precisions": list(cls.precisions),
             "model_kinds": list(cls.model_kinds), "needs_data": cls.needs_data,
             "unavailable": cls.unavailable_reason(), "where": runs,
@@ -340,6 +340,8 @@ def _cmd_passes_show(args: argparse.Namespace) -> int:
         }, indent=2, default=str))
         return EXIT_OK
     print(f"{cls.name} (plugin {cls.plugin}): {cls.summary}")
+    if cls.aliases:
+        print(f"  also called: {', '.join(cls.aliases)}")
     print(f"  algorithms: {', '.join(cls.algorithms)}   precisions: {', '.join(cls.precisions)}")
     print(f"  models: {', '.join(cls.model_kinds)}   needs data: {'yes' if cls.needs_data else 'no'}")
     if runs != "here":

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
+_ALIAS = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 
 
 def _no_progress(iterable: Iterable[Any], **_: Any) -> Iterable[Any]:
@@ -80,6 +81,9 @@ class Pass(ABC):
     """Base class of every pass. Subclasses set the class attributes and ``run``."""
 
     name: ClassVar[str]
+    #: other names the pass answers to in configs, ``passes show`` and ``--algorithm`` (case-insensitive):
+    #: the names of the peer tool's pass it stands in for, e.g. Olive's ``OnnxStaticQuantization``
+    aliases: ClassVar[tuple[str, ...]] = ()
     algorithms: ClassVar[tuple[str, ...]] = ()
     precisions: ClassVar[tuple[str, ...]] = ()
     model_kinds: ClassVar[tuple[str, ...]] = ("onnx",)
@@ -164,6 +168,9 @@ def check_pass_class(cls: Any) -> None:
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not _NAME.match(name):
         raise TypeError(f"{cls.__name__}.name must be a lowercase identifier, got {name!r}")
+    aliases = getattr(cls, "aliases", ())
+    if not isinstance(aliases, tuple) or not all(isinstance(a, str) and _ALIAS.match(a) for a in aliases):
+        raise TypeError(f"{cls.__name__}.aliases must be a tuple of identifiers (letters, digits, _), got {aliases!r}")
     for attr in ("algorithms", "precisions", "model_kinds"):
         value = getattr(cls, attr)
         if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):

@@ -34,6 +34,8 @@ from bitpress.passes import Pass, check_pass_class
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "bitpress"
+#: the plugin name of the host's own passes (``bitpress passes list`` shows it)
+HOST_PLUGIN = "bitpress"
 
 
 def _guard_availability(cls: type[Pass]) -> None:
@@ -266,6 +268,8 @@ class Registry:
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginInfo] = {}
         self.passes: dict[str, type[Pass]] = {}
+        #: alias -> pass name
+        self.aliases: dict[str, str] = {}
         from bitpress import builtin
         from bitpress.envs import remote
 
@@ -273,12 +277,25 @@ class Registry:
         # runs proxies and passes pinned to a plugin environment; returns None for all others
         self.pm.register(remote, name="bitpress.envs")
         if entry_points:
+            self._add_host_passes(builtin)  # first: a plugin cannot take their names
             for ep in md.entry_points(group=ENTRY_POINT_GROUP):
                 self._load_entry_point(ep)
             # passes that cannot run here but can in a plugin environment (bitpress env create)
             remote.add_env_passes(self)
 
     # -- loading ---------------------------------------------------------------------------
+    def _add_host_passes(self, module: ModuleType) -> None:
+        """The host's own passes (``bitpress.builtin``'s ``bitpress_register_passes``), listed as plugin ``bitpress``.
+
+        Host code: not fault-guarded, and not in :attr:`plugins` (``bitpress plugins`` lists installed plugins).
+        """
+        collected: list[type[Pass]] = []
+        module.bitpress_register_passes(register=collected.append)
+        for cls in collected:
+            check_pass_class(cls)
+            cls.plugin = HOST_PLUGIN
+            self.passes[cls.name] = cls
+
     def _load_entry_point(self, ep: md.EntryPoint) -> None:
         dist = getattr(ep, "dist", None)
         info = PluginInfo(
@@ -325,11 +342,13 @@ class Registry:
                         f"{self.passes[cls.name].plugin!r}"
                     )
                 unique[cls.name] = cls
+            aliases = self._check_aliases(unique.values())
             for cls in unique.values():
                 cls.plugin = name
                 _guard_availability(cls)
                 self.passes[cls.name] = cls
                 info.passes.append(cls.name)
+            self.aliases.update(aliases)
             self._guard_hooks(plugin, name)
         except BaseException as exc:  # SystemExit, GeneratorExit and custom BaseExceptions too
             if isinstance(exc, KeyboardInterrupt):
@@ -338,8 +357,31 @@ class Registry:
                 self.pm.unregister(plugin)
             for pname in info.passes:
                 self.passes.pop(pname, None)
+            self.aliases = {a: n for a, n in self.aliases.items() if n not in info.passes}
             info.passes.clear()
             self._mark_broken(info, exc, "while registering its passes")
+
+    def _check_aliases(self, classes: Iterable[type[Pass]]) -> dict[str, str]:
+        """alias -> pass name for ``classes``; TypeError when one equals a known pass name or alias.
+
+        Names are compared exactly (Olive's ``Rtn`` may alias another pass than ``rtn``); lookups
+        try exact names and aliases before case-insensitive ones.
+        """
+        taken = {n: f"pass {n!r}" for n in self.passes}
+        taken.update({a: f"an alias of pass {n!r}" for a, n in self.aliases.items()})
+        new: dict[str, str] = {}
+        for cls in classes:
+            taken.setdefault(cls.name, f"pass {cls.name!r}")
+        for cls in classes:
+            for alias in cls.aliases:
+                key = alias
+                other = new.get(key)
+                if other is not None and other != cls.name:
+                    raise TypeError(f"alias {alias!r} of pass {cls.name!r} is also an alias of pass {other!r}")
+                if key in taken and taken[key] not in (f"pass {cls.name!r}", f"an alias of pass {cls.name!r}"):
+                    raise TypeError(f"alias {alias!r} of pass {cls.name!r} is already {taken[key]}")
+                new[key] = cls.name
+        return new
 
     def _guard_hooks(self, plugin: Any, name: str) -> None:
         """Wrap the plugin's hook implementations (loading, saving, pass wrappers) in fault guards.
@@ -377,9 +419,14 @@ class Registry:
     def find_pass(self, name: str) -> type[Pass] | None:
         """The pass class called ``name`` (case-insensitive), usable or not; ``None`` if there is none."""
         cls = self.passes.get(name)
+        if cls is None and name in self.aliases:
+            cls = self.passes.get(self.aliases[name])
         if cls is None:
             key = str(name).casefold()
             cls = next((c for n, c in self.passes.items() if n.casefold() == key), None)
+            if cls is None:
+                alias = next((a for a in self.aliases if a.casefold() == key), None)
+                cls = self.passes.get(self.aliases[alias]) if alias is not None else None
         return cls
 
     def check_not_broken(self, name: str, what: str = "pass") -> None:
@@ -403,7 +450,8 @@ class Registry:
         cls = self.find_pass(name)
         if cls is None:
             self.check_not_broken(name)
-            raise _not_found(f"no pass named {name!r}{did_you_mean(name, self.passes)} (see `bitpress passes list`)"
+            raise _not_found(f"no pass named {name!r}{did_you_mean(name, [*self.passes, *self._alias_names()])} "
+                             "(see `bitpress passes list`)"
                              f"{self._hint()}", "type")
         return cls
 
@@ -424,7 +472,8 @@ class Registry:
         """
         algo = str(algorithm).casefold()
         by_algo = [c for c in self.passes.values()
-                   if algo in (a.casefold() for a in c.algorithms) or c.name.casefold() == algo]
+                   if algo in (a.casefold() for a in c.algorithms) or c.name.casefold() == algo
+                   or algo in (a.casefold() for a in c.aliases)]
         if not by_algo:
             self.check_not_broken(algorithm, "algorithm")
             known = sorted({a for c in self.passes.values() for a in c.algorithms})
@@ -455,9 +504,12 @@ class Registry:
             raise PassUnavailableError(
                 f"pass {c.name!r} (plugin {c.plugin}) is unavailable: {c.unavailable_reason()}"
             )
-        # prefer the pass named after the algorithm, then registration order
-        usable.sort(key=lambda c: c.name.casefold() != algo)
+        # prefer the pass named after the algorithm (or aliased so), then registration order
+        usable.sort(key=lambda c: (c.name.casefold() != algo, algo not in (a.casefold() for a in c.aliases)))
         return usable[0]
+
+    def _alias_names(self) -> list[str]:
+        return [a for c in self.passes.values() for a in c.aliases]
 
     def broken_hint(self) -> str:
         """``". Note: plugin X failed to load (...)"`` when plugins are broken, else ``""``."""

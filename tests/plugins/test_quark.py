@@ -413,20 +413,20 @@ def test_int4_external_data_input(tiny_decoder: Path, tiny_decoder_external: Pat
 
 def test_quark_external_data_output(tiny_decoder: Path, tmp_path: Path, monkeypatch) -> None:
     """Models near 2 GB make Quark write external data; the result is read from its folder."""
-    import bitpress_quark.runner as runner
+    import bitpress.toolkit.workspace as workspace
 
     feeds = synthetic.random_inputs(tiny_decoder, batch=1, seq=8, seed=3)
     inline = _session(_run(tiny_decoder, tmp_path, "quark_int4", name="inline")).run(None, feeds)[0]
     external = []
-    load = runner._load_result
+    load = workspace.Workspace.load
 
-    def spy(model, path):
-        result = load(model, path)
+    def spy(self, path, model):
+        result = load(self, path, model)
         external.append(any(t.data_location == onnx.TensorProto.EXTERNAL for t in result.proto.graph.initializer))
         return result
 
-    monkeypatch.setattr(runner, "SINGLE_FILE_LIMIT", 0)
-    monkeypatch.setattr(runner, "_load_result", spy)
+    monkeypatch.setattr(workspace, "SINGLE_FILE_LIMIT", 0)
+    monkeypatch.setattr(workspace.Workspace, "load", spy)
     out = _run(tiny_decoder, tmp_path, "quark_int4", name="ext")
     assert external == [True]
     np.testing.assert_array_equal(_session(out).run(None, feeds)[0], inline)
@@ -434,7 +434,7 @@ def test_quark_external_data_output(tiny_decoder: Path, tmp_path: Path, monkeypa
 
 def test_pass_without_host_workdir_cleans_up(tiny_decoder: Path, tmp_path: Path, monkeypatch) -> None:
     """Used as a library (no host work folder): the scratch folder goes when no longer needed."""
-    import bitpress_quark.runner as runner
+    import bitpress.toolkit.workspace as workspace
     from bitpress_quark import QuarkInt4Pass
 
     scratch = tmp_path / "tmp"
@@ -443,7 +443,7 @@ def test_pass_without_host_workdir_cleans_up(tiny_decoder: Path, tmp_path: Path,
     result = QuarkInt4Pass().run(OnnxModel.load(tiny_decoder), PassContext())
     assert list(scratch.iterdir()) == []  # inline result: nothing left to read
     save_onnx(result, tmp_path / "a.onnx")
-    monkeypatch.setattr(runner, "SINGLE_FILE_LIMIT", 0)  # Quark writes external data
+    monkeypatch.setattr(workspace, "SINGLE_FILE_LIMIT", 0)  # Quark writes external data
     result = QuarkInt4Pass().run(OnnxModel.load(tiny_decoder), PassContext())
     assert len(list(scratch.iterdir())) == 1  # the handle still reads its tensors there
     save_onnx(result, tmp_path / "b.onnx")

@@ -143,6 +143,67 @@ def install_args(name: str, specs: Sequence[str] | None = None, *, checkout: Pat
     return [*args, f"bitpress-{name}[{TOOLKIT_EXTRA}]"]
 
 
+@dataclass(frozen=True)
+class EnvRecipe:
+    """How a plugin's environment is built beyond ``pip install``: its ``[tool.bitpress.env]`` table.
+
+    ``install-first``: requirements installed in a pip call of their own before the rest (the
+    CPU torch wheel: once installed, a later resolution that accepts it keeps it instead of
+    pulling a CUDA build). ``remove``: distributions uninstalled after the install, each with
+    the reason (a CUDA torchvision that a dependency pulls in and that breaks CPU torch).
+    """
+
+    install_first: tuple[str, ...] = ()
+    remove: tuple[tuple[str, str], ...] = ()
+    source: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"install_first": list(self.install_first), "remove": dict(self.remove), "source": self.source}
+
+
+def env_recipe(plugin_dir: Path | None) -> EnvRecipe:
+    """The ``[tool.bitpress.env]`` table of ``plugin_dir/pyproject.toml`` (empty when there is none)."""
+    if plugin_dir is None or not (plugin_dir / "pyproject.toml").is_file():
+        return EnvRecipe()
+    path = plugin_dir / "pyproject.toml"
+    try:
+        table = ((tomllib.loads(path.read_text()).get("tool") or {}).get("bitpress") or {}).get("env") or {}
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UsageError(f"{path}: cannot read it: {exc}") from None
+    unknown = sorted(set(table) - {"install-first", "remove"})
+    if unknown:
+        raise UsageError(f"{path}: [tool.bitpress.env] has unknown keys {', '.join(unknown)} "
+                         "(known: install-first, remove)")
+    first = table.get("install-first", [])
+    if not isinstance(first, list) or not all(isinstance(r, str) and r.strip() for r in first):
+        raise UsageError(f"{path}: [tool.bitpress.env] install-first must be a list of requirement strings")
+    remove = table.get("remove", {})
+    if not isinstance(remove, dict) or not all(
+        isinstance(k, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", k) and isinstance(v, str) and v.strip()
+        for k, v in remove.items()
+    ):
+        raise UsageError(f"{path}: [tool.bitpress.env] remove must map distribution names to the reason "
+                         '(remove = { torchvision = "why" })')
+    # a local folder or file is relative to the plugin's folder
+    first = [str((plugin_dir / r).resolve()) if r.startswith(("./", "../")) else r for r in first]
+    return EnvRecipe(tuple(first), tuple(remove.items()), str(path))
+
+
+def _recipe_dir(name: str, args: Sequence[str]) -> Path | None:
+    """The plugin folder whose recipe applies: the checkout's plugin, or a local folder spec."""
+    folders = []
+    for arg in args:
+        m = re.fullmatch(r"(.+?)(\[[^\]]*\])?", arg)
+        candidate = Path(m.group(1) if m else arg)
+        if candidate.is_absolute() and (candidate / "pyproject.toml").is_file():
+            folders.append(candidate)
+    root = checkout_root()
+    plugin = [f for f in folders if root is None or f.resolve() != root.resolve()]
+    named = [f for f in plugin if _project_name(f / "pyproject.toml") in (f"bitpress-{name}", name)]
+    chosen = named or plugin
+    return chosen[0] if chosen else None
+
+
 def _absolute_spec(spec: str) -> str:
     """A local folder or file spec (``./dir[extra]``) made absolute, so env.json records where it was."""
     m = re.fullmatch(r"(.+?)(\[[^\]]*\])?", spec.strip())
@@ -270,6 +331,7 @@ def create_env(
         )
     base_python = _base_python(python)
     args = install_args(name, specs)
+    recipe = env_recipe(_recipe_dir(name, args))
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{name}.creating-{uuid.uuid4().hex[:8]}"
     start = time.perf_counter()
@@ -277,8 +339,13 @@ def create_env(
         echo(f"creating a virtual environment for {name} with {base_python}")
         _run([str(base_python), "-m", "venv", str(tmp)], what="create the virtual environment")
         py = env_python(tmp)
+        pip = [str(py), "-m", "pip"]
+        if recipe.install_first:
+            echo(f"pip install {' '.join(recipe.install_first)} (first: {recipe.source})")
+            _stream_pip([*pip, "install", "--progress-bar", "off", *recipe.install_first], tmp, echo)
         echo(f"pip install {' '.join(args)}")
-        _stream_pip([str(py), "-m", "pip", "install", "--progress-bar", "off", *args], tmp, echo)
+        _stream_pip([*pip, "install", "--progress-bar", "off", *args], tmp, echo)
+        removed = _remove_listed(pip, tmp, recipe, echo)
         echo("reading the passes the environment offers")
         manifest = _manifest(py, tmp, name)
         about = json.loads(_run(
@@ -295,6 +362,8 @@ def create_env(
             "python": {"executable": str(env_python(final)), **about},
             "source": "checkout" if args[0] == "-e" else "index",
             "specs": args,
+            "recipe": recipe.to_json(),
+            "removed": removed,
             "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "seconds": round(time.perf_counter() - start, 1),
             "freeze": freeze,
@@ -335,6 +404,10 @@ def _run(cmd: list[str], *, env_dir: Path | None = None, what: str, timeout: flo
     return proc.stdout
 
 
+#: flags of ours in pip command lines, left out of error messages
+_PIP_FLAGS = ("--progress-bar", "off", "--yes")
+
+
 def _stream_pip(cmd: list[str], env_dir: Path, echo: Callable[[str], None]) -> None:
     tail: deque[str] = deque(maxlen=25)
     # pip runs in the new environment's folder: a relative spec was made absolute already
@@ -352,8 +425,24 @@ def _stream_pip(cmd: list[str], env_dir: Path, echo: Callable[[str], None]) -> N
             raise
     if rc != 0:
         raise EnvError(
-            f"pip could not install {' '.join(cmd[6:])} (exit {rc}); nothing was kept. Last lines:\n" + "\n".join(tail)
+            f"pip could not {cmd[3]} {' '.join(a for a in cmd[4:] if a not in _PIP_FLAGS)} (exit {rc}); "
+            "nothing was kept. Last lines:\n" + "\n".join(tail)
         )
+
+
+def _remove_listed(pip: list[str], env_dir: Path, recipe: EnvRecipe, echo: Callable[[str], None]) -> dict[str, str]:
+    """Uninstall the recipe's ``remove`` distributions that pip installed; returns name -> reason."""
+    removed = {}
+    for dist, reason in recipe.remove:
+        probe = subprocess.run([*pip, "show", "--quiet", dist], capture_output=True, text=True,
+                               env=child_environ(env_dir), stdin=subprocess.DEVNULL, timeout=120)
+        if probe.returncode != 0:
+            echo(f"{dist}: not installed, nothing to remove")
+            continue
+        echo(f"pip uninstall {dist} ({reason})")
+        _stream_pip([*pip, "uninstall", "--yes", dist], env_dir, echo)
+        removed[dist] = reason
+    return removed
 
 
 def _manifest(py: Path, env_dir: Path, name: str) -> dict[str, Any]:

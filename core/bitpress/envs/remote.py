@@ -133,6 +133,7 @@ def make_proxy(info: EnvInfo, entry: dict[str, Any], local: type[Pass] | None = 
     kinds = tuple(k for k in entry.get("model_kinds") or () if k == "onnx")  # models cross as ONNX files
     attrs = {
         "name": name,
+        "aliases": tuple(a for a in entry.get("aliases") or () if isinstance(a, str)),
         "algorithms": tuple(entry.get("algorithms") or ()),
         "precisions": tuple(entry.get("precisions") or ()),
         "model_kinds": kinds,
@@ -192,6 +193,8 @@ def add_env_passes(registry: Any) -> list[str]:
             log.debug("environment %s: pass %s takes no ONNX models; not offered here", info.name, name)
             continue
         registry.passes[name] = proxy
+        for alias in proxy.aliases:
+            registry.aliases.setdefault(alias, name)
         added.append(name)
         log.debug("pass %s runs in environment %s", name, info.name)
     return added
@@ -267,9 +270,14 @@ class RemoteReport:
     """A pass's report as the worker summarised it (the report object stays in the environment)."""
 
     text: str
+    #: the report's ``to_json()`` as the worker sent it (trials, decisions), when it has one
+    data: dict[str, Any] | None = None
 
     def summary(self) -> str:
         return self.text
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.data or {})
 
 
 def run_in_env(pass_: EnvPass, model: ModelHandle, context: PassContext) -> ModelHandle:
@@ -313,7 +321,8 @@ def run_in_env(pass_: EnvPass, model: ModelHandle, context: PassContext) -> Mode
     out.external_source = getattr(model, "external_source", False)  # the files crossed as external data
     out.bitpress_origin = origin  # type: ignore[attr-defined]  # where the run's data (tokenizer) lives
     for rep in result.get("reports") or []:
-        context.extras.setdefault("reports", []).append((rep.get("pass", name), origin, RemoteReport(rep["summary"])))
+        report = RemoteReport(rep["summary"], rep.get("data"))
+        context.extras.setdefault("reports", []).append((rep.get("pass", name), origin, report))
     log.info("pass %s ran in environment %s in %.1f s", name, env, result.get("seconds", 0.0))
     return out
 

@@ -136,7 +136,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         if isinstance(handle, OnnxModel):
             handle.close()
     reports = [
-        {"pass": name, "summary": rep.summary() if hasattr(rep, "summary") else str(rep)}
+        {"pass": name, "summary": rep.summary() if hasattr(rep, "summary") else str(rep),
+         "data": _report_json(rep)}
         for name, _src, rep in context.extras.get("reports", [])
     ]
     if isolated and job.get("reports_pickle"):
@@ -159,6 +160,20 @@ def _pickled_options(job: dict[str, Any], cls: Any) -> Any:
         log.debug("cannot read the pickled options; parsing them", exc_info=True)
         return None
     return options if isinstance(options, cls.Options) else None
+
+
+def _report_json(rep: Any) -> dict[str, Any] | None:
+    """A report's ``to_json()`` when it has one that JSON can carry, else None."""
+    to_json = getattr(rep, "to_json", None)
+    if not callable(to_json):
+        return None
+    try:
+        data = to_json()
+        json.dumps(data)
+    except Exception:
+        log.debug("report %r has no JSON form", rep, exc_info=True)
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _pickle_reports(path: Path, reports: list[Any]) -> None:

@@ -1,0 +1,1 @@
+"""Nothing: the fixture checks only that it was installed and then removed."""
