@@ -1,4 +1,5 @@
-"""The host's own hook implementations: ONNX and Hugging Face loading, pass execution and saving.
+"""The host's own hook implementations: ONNX and Hugging Face loading, pass execution and saving,
+and the host's own passes (``qdq_to_nbits``), listed under plugin ``bitpress``.
 
 Registered before any plugin and marked ``trylast``, so a plugin's implementation of the same
 hook is consulted first and these are the fallback. A pass's ``run`` is plugin code: it runs
@@ -17,6 +18,14 @@ from bitpress.models.hf_model import HfModel, is_hf_folder
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.models.package import OnnxPackage
 from bitpress.passes import Pass, PassContext
+
+
+@hookimpl
+def bitpress_register_passes(register: Any) -> None:
+    # collected by the registry itself (Registry._add_host_passes), before any plugin's
+    from bitpress.onnx.qdq_nbits import QdqToNbitsPass
+
+    register(QdqToNbitsPass)
 
 
 @hookimpl(trylast=True)

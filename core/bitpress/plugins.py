@@ -493,9 +493,10 @@ class Registry:
             with_prec = [c for c in cands if prec in (p.casefold() for p in c.precisions)]
             if not with_prec:
                 precs = sorted({p for c in cands for p in c.precisions})
+                choose = (f"choose one of {', '.join(precs)}{did_you_mean(precision, precs)}" if precs
+                          else "it takes no precision (leave --precision out)")
                 raise _not_found(
-                    f"algorithm {algorithm!r} does not offer precision {precision!r}; "
-                    f"choose one of {', '.join(precs)}{did_you_mean(precision, precs)}", "precision"
+                    f"algorithm {algorithm!r} does not offer precision {precision!r}; {choose}", "precision"
                 )
             cands = with_prec
         usable = [c for c in cands if c.unavailable_reason() is None]

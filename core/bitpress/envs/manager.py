@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 #: the extra in which a plugin keeps its heavy vendor dependencies
 TOOLKIT_EXTRA = "toolkit"
+#: the plugin name the host's own passes are listed under
+HOST_PLUGIN = "bitpress"
 
 
 @dataclass
@@ -457,6 +459,8 @@ def _manifest(py: Path, env_dir: Path, name: str) -> dict[str, Any]:
 
     passes, broken = [], []
     for row in query("passes", "list"):
+        if row.get("plugin") == HOST_PLUGIN:
+            continue  # the host's own passes: every host has them, they always run where it is
         if row.get("pass") == "?":  # a plugin that failed to load inside the environment
             broken.append({"plugin": row.get("plugin"), "error": row.get("reason")})
             continue
