@@ -120,7 +120,8 @@ def _fake_env(root: Path, name: str = "fake", *, protocol: int = PROTOCOL) -> Pa
         "python": {"version": "3.11.0"}, "created": "2026-01-01T00:00:00+00:00", "specs": [], "freeze": [],
     }))
     entry = {
-        "pass": "fakeq", "plugin": name, "summary": "a pass of another environment", "algorithms": ["fakeq"],
+        "pass": "fakeq", "plugin": name, "summary": "a pass of another environment", "aliases": ["FakeQuantization"],
+        "algorithms": ["fakeq"],
         "precisions": ["int4", "int8"], "model_kinds": ["onnx"], "needs_data": False, "unavailable": None,
         "available": True, "reason": None,
         "options": [{"name": "bits", "type": "int", "default": 4, "help": "bits per weight"},
@@ -139,6 +140,12 @@ def test_proxies_from_a_manifest(run_cli, monkeypatch: pytest.MonkeyPatch, tmp_p
     assert where(cls) == "env:fake" and where(reg.passes["rtn"]) == "here"
     assert cls.unavailable_reason() is None and cls.plugin == "fake"
     assert reg.select("fakeq", "int8", "onnx") is cls
+    # its aliases come with it, in configs pinned to the environment too
+    assert reg.find_pass("FakeQuantization") is cls and cls.aliases == ("FakeQuantization",)
+    from bitpress.envs.remote import pinned_pass
+    from bitpress.workflow import _resolve_pass
+
+    assert pinned_pass(reg, "fake", "fakequantization", None, _resolve_pass).name == "fakeq"
 
     code, out, _ = run_cli("passes", "list", "--json", registry=reg)
     rows = {r["pass"]: r for r in json.loads(out)}

@@ -168,3 +168,68 @@ def test_reports_and_feeds(tiny_decoder: Path) -> None:
     assert len(calib) == 4 and held == feeds[4:]
     with pytest.raises(UsageError, match="at least 2"):
         split_feeds(feeds[:1], 0.5)
+
+
+def test_workspace_keeps_lazily_read_inline_tensors(tmp_path: Path, monkeypatch) -> None:
+    """A toolkit's single-file output: its large inline tensors stay in the file until the handle goes."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from bitpress.onnx.save import save_onnx
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    weight = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) / 100  # 8 KiB: read lazily from the file
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    src = tmp_path / "in.onnx"
+    onnx.save(proto, src)
+    model = OnnxModel.load(src)
+    ws = Workspace.open(model, PassContext(), prefix="t")
+    onnx.save(proto, ws.output)  # what the toolkit wrote
+    result = ws.load(ws.output, model)
+    ws.finish(result)
+    assert ws.folder.is_dir()  # the handle still reads the weight from the toolkit's file
+    files = save_onnx(result, tmp_path / "out" / "model.onnx")
+    saved = onnx.load(files[0])
+    assert np.array_equal(numpy_helper.to_array(saved.graph.initializer[0]), weight)
+
+
+def test_sidecar_files_land_beside_the_output(make_registry, tiny_decoder: Path, tmp_path: Path) -> None:
+    """A pass's ``result.sidecars`` ({suffix: path}) are copied to ``<output stem><suffix>``; bad ones are bugs."""
+    from types import SimpleNamespace
+
+    import bitpress
+    from bitpress import hookimpl
+    from bitpress.passes import Pass
+
+    class SidecarPass(Pass):
+        name = "sidecar_test"
+        algorithms = ("sidecar_test",)
+        suffix = ".encodings"
+
+        def run(self, model, context):
+            Path(context.workdir).mkdir(parents=True, exist_ok=True)
+            path = Path(context.workdir) / "enc.json"
+            path.write_text('{"param_encodings": []}')
+            model.modified = True
+            model.sidecars = {self.suffix: path}
+            return model
+
+    @hookimpl
+    def bitpress_register_passes(register):
+        register(SidecarPass)
+
+    reg = make_registry(SimpleNamespace(bitpress_register_passes=bitpress_register_passes))
+    out = tmp_path / "q.onnx"
+    result = bitpress.quantize(tiny_decoder, out, algorithm="sidecar_test", registry=reg)
+    assert (tmp_path / "q.encodings").read_text() == '{"param_encodings": []}'
+    assert tmp_path / "q.encodings" in result.files
+    SidecarPass.suffix = ".onnx"  # would overwrite the model itself
+    with pytest.raises(Exception, match=r"bad suffix '\.onnx'"):
+        bitpress.quantize(tiny_decoder, tmp_path / "r.onnx", algorithm="sidecar_test", registry=reg)
+    assert not (tmp_path / "r.onnx").exists()

@@ -82,7 +82,8 @@ def plan_workflow(wf: Workflow, registry: Registry | None = None) -> PlanResult:
                         f"{pass_.name} has no plan: --plan lists what the host's weight-only passes (rtn, hqq, "
                         f"kquant, q4_k_m, bnb4, ...) would do to each weight; {pass_.name} "
                         + (f"runs in {runs} and " if runs != "here" else "")
-                        + "decides inside its own toolkit"
+                        + ("decides while it runs" if type(pass_).plugin == "bitpress" else
+                           "decides inside its own toolkit")
                     )
                 elif kind not in pass_.model_kinds or not isinstance(target, OnnxModel):
                     entry.reason = f"{pass_.name} does not accept {kind} models"

@@ -44,6 +44,31 @@ _NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
 _ALIAS = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 
 
+#: what a sidecar's suffix may be: ``.encodings``, ``.qnn.json``
+_SIDECAR_SUFFIX = re.compile(r"^\.[A-Za-z0-9_-]{1,32}(\.[A-Za-z0-9_-]{1,32})?$")
+
+
+def sidecars(model: Any) -> dict[str, Path]:
+    """Files a pass made to go beside its output model, ``{suffix: path}`` (``model.sidecars``).
+
+    A pass sets ``result.sidecars = {".encodings": path}``; the host copies each to
+    ``<output stem><suffix>`` when it saves (AIMET's encodings JSON beside the QDQ model), also
+    when the pass ran in a plugin environment. A malformed suffix or a missing file is a bug of
+    the pass, reported as such.
+    """
+    found = getattr(model, "sidecars", None) or {}
+    if not isinstance(found, dict):
+        raise TypeError(f"model.sidecars must be a dict {{suffix: path}}, got {type(found).__name__}")
+    out = {}
+    for suffix, path in found.items():
+        if not isinstance(suffix, str) or not _SIDECAR_SUFFIX.match(suffix) or suffix.lower() in (".onnx", ".data"):
+            raise TypeError(f"model.sidecars: bad suffix {suffix!r} (like '.encodings')")
+        if not Path(path).is_file():
+            raise TypeError(f"model.sidecars: {suffix} file {path} does not exist")
+        out[suffix] = Path(path)
+    return out
+
+
 def _no_progress(iterable: Iterable[Any], **_: Any) -> Iterable[Any]:
     return iterable
 

@@ -27,7 +27,7 @@ from bitpress.models.onnx_model import OnnxModel
 from bitpress.models.package import OnnxPackage
 from bitpress.onnx.save import SaveOptions
 from bitpress.onnx.tensors import is_external, iter_tensors
-from bitpress.passes import Pass, PassContext
+from bitpress.passes import Pass, PassContext, sidecars
 from bitpress.plugins import Registry, canonical_precision, check_result, get_registry
 
 log = logging.getLogger(__name__)
@@ -705,7 +705,10 @@ def _save(registry: Registry, model: ModelHandle, dest: Path, save: SaveOptions)
     files = registry.hook.bitpress_save_model(model=model, destination=dest, options=opts)
     if files is None:
         raise UsageError(f"no plugin can save a {model.kind} model")
-    return [Path(f) for f in files]
+    saved = [Path(f) for f in files]
+    for suffix, src in sidecars(model).items():
+        saved.append(Path(shutil.copyfile(src, dest.with_suffix(suffix))))
+    return saved
 
 
 #: the longest name (bytes) of one part of the output path: 255 on common file systems, less the

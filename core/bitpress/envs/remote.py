@@ -236,6 +236,10 @@ def pinned_pass(
         )
     entries = info.pass_entries(available_only=False)
     entry = next((e for e in entries if e.get("pass") == kind), None)
+    if entry is None:  # an alias (Olive's pass type), exact first, then in any case
+        key = str(kind).casefold()
+        entry = next((e for e in entries if kind in (e.get("aliases") or [])), None) or next(
+            (e for e in entries if key in (str(a).casefold() for a in e.get("aliases") or [])), None)
     if entry is None:
         matches = [e for e in entries if kind in (e.get("algorithms") or [])
                    and (precision is None or precision in (e.get("precisions") or []))]
@@ -280,6 +284,20 @@ class RemoteReport:
         return dict(self.data or {})
 
 
+def _sidecars(result: dict[str, Any], output: Path, who: str) -> dict[str, Path]:
+    """The worker's ``sidecars`` ({suffix: path}), each checked to be ``output`` with that suffix."""
+    found = result.get("sidecars") or {}
+    if not isinstance(found, dict):
+        raise WorkerError(f"{who}: its worker reported sidecars that are not a mapping: {found!r}")
+    out = {}
+    for suffix, path in found.items():
+        expected = output.with_suffix(str(suffix)) if isinstance(suffix, str) and suffix.startswith(".") else None
+        if expected is None or Path(str(path)).resolve() != expected.resolve() or not expected.is_file():
+            raise WorkerError(f"{who}: its worker reported a sidecar file {path!r} that is not beside its output")
+        out[suffix] = expected
+    return out
+
+
 def run_in_env(pass_: EnvPass, model: ModelHandle, context: PassContext) -> ModelHandle:
     """Run ``pass_`` in its environment on ``model``; returns the output model (files in the workdir)."""
     from bitpress.models.onnx_model import OnnxModel
@@ -320,6 +338,7 @@ def run_in_env(pass_: EnvPass, model: ModelHandle, context: PassContext) -> Mode
     out = OnnxModel.load(output)
     out.external_source = getattr(model, "external_source", False)  # the files crossed as external data
     out.bitpress_origin = origin  # type: ignore[attr-defined]  # where the run's data (tokenizer) lives
+    out.sidecars = _sidecars(result, output, f"pass {name} in environment {env!r}")  # type: ignore[attr-defined]
     for rep in result.get("reports") or []:
         report = RemoteReport(rep["summary"], rep.get("data"))
         context.extras.setdefault("reports", []).append((rep.get("pass", name), origin, report))
@@ -423,6 +442,7 @@ def run_isolated(pass_: Pass, model: ModelHandle, context: PassContext) -> Model
     out.external_source = getattr(model, "external_source", False)  # the files crossed as external data
     out.package_root = getattr(model, "package_root", None)
     out.bitpress_origin = origin  # type: ignore[attr-defined]  # where the run's data (tokenizer) lives
+    out.sidecars = _sidecars(result, output, f"pass {name} (plugin {plugin})")  # type: ignore[attr-defined]
     for rep_name, rep in reports:
         context.extras.setdefault("reports", []).append((rep_name, origin, rep))
     log.info("pass %s ran isolated in %.1f s", name, result.get("seconds", 0.0))

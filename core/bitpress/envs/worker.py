@@ -30,6 +30,7 @@ import faulthandler
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -88,7 +89,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     from bitpress.data import DataConfig
     from bitpress.errors import UsageError
     from bitpress.models.onnx_model import OnnxModel
-    from bitpress.passes import PassContext
+    from bitpress.passes import PassContext, sidecars
     from bitpress.plugins import check_result, get_registry
 
     isolated = bool(job.get("isolated"))
@@ -132,6 +133,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     )
     if files is None:
         raise UsageError(f"no plugin in this environment can save a {result.kind} model")
+    # files the pass made to go beside the model cross with it; the host attaches them to its handle
+    beside = {}
+    for suffix, src in sidecars(result).items():
+        beside[suffix] = str(shutil.copyfile(src, output.with_suffix(suffix)))
     for handle in {id(model): model, id(result): result}.values():
         if isinstance(handle, OnnxModel):
             handle.close()
@@ -142,7 +147,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     ]
     if isolated and job.get("reports_pickle"):
         _pickle_reports(Path(job["reports_pickle"]), context.extras.get("reports", []))
-    return {"output": str(output), "files": [str(f) for f in files], "reports": reports, "seconds": seconds,
+    return {"output": str(output), "files": [str(f) for f in files], "sidecars": beside, "reports": reports,
+            "seconds": seconds,
             "prefix": sys.prefix, "options": _typed_options(pass_, given)}
 
 

@@ -81,6 +81,8 @@ class Workspace:
         """
         loaded = OnnxModel.load(path)
         result = OnnxModel(loaded.proto, model.source, base_dir=path.parent)
+        # large inline tensors were moved out of the proto when it was loaded: keep where they went
+        result.resolver.extra.update(loaded.resolver.extra)
         result.modified = True
         return result
 
