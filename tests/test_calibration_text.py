@@ -324,6 +324,22 @@ def test_bos_when_the_tokenizer_asks(tmp_path: Path, bos: str | None, first: int
         assert ids[1, 1:].tolist() == [int(w[1:]) for w in words[9:18]]
 
 
+def test_a_truncating_tokenizer_still_reads_the_whole_text(tmp_path: Path) -> None:
+    """Encoders' tokenizer.json truncate to max_length (128): the text is still read whole, then windowed."""
+    from tokenizers import Tokenizer
+
+    from bitpress.kvcache import token_windows, tokenize
+
+    path = write_tokenizer(tmp_path / "m", bos=None)
+    tok = Tokenizer.from_file(str(path))
+    tok.enable_truncation(max_length=8)
+    tok.enable_padding(length=8)
+    tok.save(str(path))
+    tokens = tokenize(write_text(tmp_path / "a.txt", 100, 0), path)
+    assert tokens.ids.size == 100
+    assert token_windows(tokens, 10).shape == (10, 10)
+
+
 def test_eval_perplexity_uses_the_same_windows(gqa_folder: Path, tmp_path: Path) -> None:
     from bitpress import evaluate
 

@@ -454,6 +454,10 @@ def tokenize(text: Path, tokenizer: Path) -> TextTokens:
     tok = load_tokenizer(tokenizer)
     if not text.is_file():
         raise UsageError(f"text file not found: {text}")
+    # the whole text is one stream cut into windows here: a tokenizer.json that truncates (encoders'
+    # max_length 128) or pads would keep one window of it
+    tok.no_truncation()
+    tok.no_padding()
     ids = np.asarray(tok.encode(text.read_text(errors="replace"), add_special_tokens=False).ids, dtype=np.int64)
     bos = bos_tokens(tok, tokenizer)
     if bos:

@@ -296,19 +296,6 @@ def _first(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _load(ws: Workspace, model: OnnxModel) -> OnnxModel:
-    """``ws.load(ws.output, model)``, keeping the resolver's entry for weights stored inside the file.
-
-    ``OnnxModel.load`` leaves inline weights in the file behind a resolver entry that
-    ``Workspace.load`` (as of this writing) does not carry over to the new handle.
-    """
-    loaded = OnnxModel.load(ws.output)
-    result = OnnxModel(loaded.proto, model.source, base_dir=ws.output.parent)
-    result.resolver.extra.update(loaded.resolver.extra)
-    result.modified = True
-    return result
-
-
 def mode_of(o: AimetOptions, techniques: list[Technique]) -> str:
     names = "+".join(t.name for t in techniques) or "static"
     return f"{names} (weights {o.precision}, activations {o.activation_type}, {o.quant_scheme})"
@@ -335,7 +322,7 @@ def quantize(model: OnnxModel, context: PassContext, o: AimetOptions, techniques
         large = sum(tensor_nbytes(t) for t in iter_tensors(run.proto)) >= SINGLE_FILE_LIMIT
         onnx.save_model(run.proto, str(ws.output), save_as_external_data=large,
                         location=f"{ws.output.name}.data" if large else None)
-        result = _load(ws, model)
+        result = ws.load(ws.output, model)
         counts = count_ops(result.proto)
         found = {op: counts[op] for op in ("DequantizeLinear", "QuantizeLinear") if counts[op]}
         if "DequantizeLinear" not in found:
