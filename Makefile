@@ -3,10 +3,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-NATIVE := rtn hqq kquant
+# plugins that need nothing beyond the host's own dependencies (ort: ONNX Runtime's quantizer)
+NATIVE := rtn hqq kquant $(if $(wildcard plugins/ort/pyproject.toml),ort)
 # plugins whose vendor toolkit lives in an environment of its own (bitpress env create NAME):
-# installed here without their toolkit extra, so `passes list` shows them with the install hint
-TOOLKIT_PLUGINS := quark
+# installed here without their toolkit extra, so `passes list` shows them with the install hint.
+# Only those present in the checkout.
+TOOLKIT_PLUGINS := $(foreach p,quark aimet modelopt inc,$(if $(wildcard plugins/$(p)/pyproject.toml),$(p)))
 
 .PHONY: venv demo test lint bench clean envs realmodels
 
@@ -37,13 +39,17 @@ venv: $(VENV)/.installed $(if $(filter 1,$(REALMODELS)),$(VENV)/.realmodels)
 demo: $(VENV)/.installed
 	$(VENV)/bin/bitpress demo
 
-# The suite runs twice: in the host's environment (with BITPRESS_TEST_ENVS, tests also drive
-# the Quark environment through the worker), then Quark's own tests inside that environment.
+# The suite runs in the host's environment (with BITPRESS_TEST_ENVS, tests also drive the
+# plugin environments through the worker), then each vendor plugin's own tests
+# (tests/plugins/test_NAME.py) inside its environment, with that environment's toolkit.
 test: venv envs
 	$(VENV)/bin/ruff check .
 	BITPRESS_TEST_ENVS=$(ENVS) $(PY) -m pytest -q
-	$(ENVS)/quark/bin/python -m pip install --quiet pytest
-	$(ENVS)/quark/bin/python -m pytest -q -p no:cacheprovider tests/plugins/test_quark.py
+	@set -e; for p in $(TOOLKIT_PLUGINS); do \
+		echo "== tests/plugins/test_$$p.py in the $$p environment ($(ENVS)/$$p)"; \
+		$(ENVS)/$$p/bin/python -m pip install --quiet pytest; \
+		$(ENVS)/$$p/bin/python -m pytest -q -p no:cacheprovider tests/plugins/test_$$p.py; \
+	done
 
 lint: venv
 	$(VENV)/bin/ruff check .
@@ -63,16 +69,17 @@ fuzz: $(VENV)/.installed
 # get a venv of their own. Rebuilt when the host's or the plugin's pyproject changes (their dependencies);
 # skipped without the plugin.
 ENVS := $(CURDIR)/.bitpress-envs
-ifneq ($(wildcard plugins/quark/pyproject.toml),)
+ifneq ($(strip $(TOOLKIT_PLUGINS)),)
 # `bitpress env root` records the folder in $(VENV)/bitpress-envs.json: the activated .venv finds
-# the environments without BITPRESS_ENVS
-envs: $(ENVS)/quark/env.json
+# the environments without BITPRESS_ENVS. Each is built once; `make envs` after a pyproject change
+# rebuilds just that one (pip reuses what it downloaded before).
+envs: $(foreach p,$(TOOLKIT_PLUGINS),$(ENVS)/$(p)/env.json)
 	$(VENV)/bin/bitpress env root $(ENVS)
-$(ENVS)/quark/env.json: pyproject.toml plugins/quark/pyproject.toml | venv
-	BITPRESS_ENVS=$(ENVS) $(VENV)/bin/bitpress env create quark --force
+$(ENVS)/%/env.json: pyproject.toml plugins/%/pyproject.toml | venv
+	BITPRESS_ENVS=$(ENVS) $(VENV)/bin/bitpress env create $* --force
 else
 envs:
-	@echo "plugins/quark is not here: no plugin environment to build"
+	@echo "no vendor plugin (plugins/quark, aimet, modelopt, inc) is here: no plugin environment to build"
 endif
 
 clean:
