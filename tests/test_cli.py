@@ -278,3 +278,14 @@ def test_api_overwrite_and_run_flags(make_registry, tiny_decoder: Path, tmp_path
     r = bitpress.evaluate(out, tiny_decoder, samples=1, seq_len=8, weights=False, jobs=2)
     assert r.threads == 2
     assert bitpress.evaluate(out, tiny_decoder, samples=1, seq_len=8, weights=False, threads=3).threads == 3
+
+
+def test_a_package_folder_given_by_a_relative_path(run_cli, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``-m pkg/`` from the folder above it: names in genai_config.json are read inside pkg/, once."""
+    from bitpress import synthetic
+
+    synthetic.build_genai_folder(tmp_path / "pkg")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli("quantize", "-m", "pkg/", "-o", "out/", "--algorithm", "rtn")
+    assert code == 0, err
+    assert (tmp_path / "out" / "genai_config.json").is_file() and (tmp_path / "out" / "model.onnx").is_file()

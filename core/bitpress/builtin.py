@@ -34,6 +34,8 @@ def bitpress_load_model(source: Path, options: dict[str, Any]) -> ModelHandle | 
     if not source.exists():
         raise ModelLoadError(f"model not found: {source}")
     if source.is_dir():
+        # absolute: the package's checks join names to the folder and read them relative to it
+        source = source.absolute()
         if is_hf_folder(source):  # config.json and no .onnx: a Hugging Face checkpoint (torch loads it lazily)
             return HfModel.load(source, options)
         return OnnxPackage.load(source)
