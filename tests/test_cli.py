@@ -286,6 +286,6 @@ def test_a_package_folder_given_by_a_relative_path(run_cli, monkeypatch: pytest.
 
     synthetic.build_genai_folder(tmp_path / "pkg")
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_cli("quantize", "-m", "pkg/", "-o", "out/", "--algorithm", "rtn")
+    code, _, err = run_cli("quantize", "-m", "pkg/", "-o", "out/", "--algorithm", "rtn")
     assert code == 0, err
     assert (tmp_path / "out" / "genai_config.json").is_file() and (tmp_path / "out" / "model.onnx").is_file()
