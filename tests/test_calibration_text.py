@@ -324,6 +324,19 @@ def test_bos_when_the_tokenizer_asks(tmp_path: Path, bos: str | None, first: int
         assert ids[1, 1:].tolist() == [int(w[1:]) for w in words[9:18]]
 
 
+def test_tokenizer_config_is_read_through_a_relative_tokenizer_path(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--tokenizer m`` (relative): its tokenizer_config.json is found once, not under ``m/m``."""
+    from bitpress.kvcache import bos_tokens, load_tokenizer
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    write_tokenizer(folder, bos="config")
+    monkeypatch.chdir(tmp_path)
+    rel = Path("m") / "tokenizer.json"
+    assert bos_tokens(load_tokenizer(rel), rel) == (BOS,)
+
+
 def test_a_truncating_tokenizer_still_reads_the_whole_text(tmp_path: Path) -> None:
     """Encoders' tokenizer.json truncate to max_length (128): the text is still read whole, then windowed."""
     from tokenizers import Tokenizer

@@ -415,6 +415,17 @@ def test_perplexity_on_genai_folder_finds_its_tokenizer(tmp_path: Path) -> None:
     assert math.isfinite(res.perplexity.quantized)
 
 
+def test_genai_folders_given_by_relative_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bitpress eval out --reference float`` from the folder above them: names are joined once."""
+    ref = build_genai_folder(tmp_path / "float", hidden=64, layers=1)
+    out = quantize(ref, tmp_path / "int4", algorithm="rtn", precision="int4", options={"block_size": 32},
+                   registry=rtn_registry())
+    text = word_text(tmp_path / "t.txt", 100, 256, prefix="tok")
+    monkeypatch.chdir(tmp_path)
+    res = evaluate(Path(out.output.name), Path("float"), text=Path("t.txt"), tokenizer=Path("float"), seq_len=20)
+    assert res.perplexity is not None and res.perplexity.windows == 5
+
+
 def test_perplexity_needs_tokenizer_and_package(dec: dict[str, Any], tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     text = word_text(tmp_path / "t.txt", 50, 100)

@@ -132,7 +132,7 @@ def optional(root: str | os.PathLike[str], name: str, what: str) -> Path | None:
     p = Path(root) / name
     if not lexists(p):
         return None
-    return inside(root, p, what)
+    return inside(root, name, what)  # relative to root (p is root-relative only when root is absolute)
 
 
 def open_inside(root: str | os.PathLike[str], path: str | os.PathLike[str], what: str,

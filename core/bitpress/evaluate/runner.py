@@ -59,8 +59,9 @@ def run_evaluation(
                              ("threads", threads, 1), ("max_windows", max_windows, 1)):
         if value is not None and (not isinstance(value, int) or value < low):
             raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
-    qf = resolve_model(quantized, "QUANTIZED")
-    rf = resolve_model(reference, "reference")
+    # absolute (not resolved): names inside a folder are joined to it once, whatever the cwd
+    qf = resolve_model(Path(quantized).absolute(), "QUANTIZED")
+    rf = resolve_model(Path(reference).absolute(), "reference")
     qm, rm = OnnxModel.load(qf.path), OnnxModel.load(rf.path)
     try:
         check_same_signature(qm.proto, rm.proto)

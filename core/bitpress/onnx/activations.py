@@ -54,7 +54,7 @@ def channel_importance(
     if not wanted:
         return {}
     graph, outputs, base = stats_model(model, wanted)
-    session = _session(graph, base)
+    session = session_for(graph, base)
     del graph
     names = [n for pair in outputs.values() for n in pair if n]
     sums: dict[str, np.ndarray] = {}
@@ -229,31 +229,33 @@ def _relocate(proto: onnx.ModelProto, model: OnnxModel) -> Path:
     outside the folder (scratch files of earlier passes) are read into the graph.
     """
     base = model.resolver.base_dir.resolve()
-    inlined = 0
-    for tensor in iter_tensors(proto):
-        if not is_external(tensor):
-            continue
-        path, ref = model.resolver.path(tensor)
-        real = Path(path).resolve()
-        if real.is_relative_to(base):
-            entries = {"location": real.relative_to(base).as_posix(), "offset": str(ref.offset)}
-            if ref.length is not None:
-                entries["length"] = str(ref.length)
-            del tensor.external_data[:]
-            for key, value in entries.items():
-                tensor.external_data.add(key=key, value=value)
-        else:
-            data = model.resolver.read_bytes(tensor)
-            del tensor.external_data[:]
-            tensor.data_location = TensorProto.DEFAULT
-            tensor.raw_data = data
-            inlined += len(data)
+    inlined = sum(relocate_tensor(t, model, base) for t in iter_tensors(proto) if is_external(t))
     if inlined:
         log.debug("calibration graph: %.1f MB of tensors outside the model's folder carried inline", inlined / 1e6)
     return base
 
 
-def _session(graph: bytes, base: Path) -> Any:  # an onnxruntime.InferenceSession
+def relocate_tensor(tensor: onnx.TensorProto, model: OnnxModel, base: Path) -> int:
+    """Make the external ``tensor`` (a copy, edited in place) readable by a session whose external
+    folder is ``base`` (the model's folder, resolved); returns the bytes carried inline instead."""
+    path, ref = model.resolver.path(tensor)
+    real = Path(path).resolve()
+    if real.is_relative_to(base):
+        entries = {"location": real.relative_to(base).as_posix(), "offset": str(ref.offset)}
+        if ref.length is not None:
+            entries["length"] = str(ref.length)
+        del tensor.external_data[:]
+        for key, value in entries.items():
+            tensor.external_data.add(key=key, value=value)
+        return 0
+    data = model.resolver.read_bytes(tensor)
+    del tensor.external_data[:]
+    tensor.data_location = TensorProto.DEFAULT
+    tensor.raw_data = data
+    return len(data)
+
+
+def session_for(graph: bytes, base: Path) -> Any:  # an onnxruntime.InferenceSession
     import onnxruntime as ort
 
     opts = ort.SessionOptions()

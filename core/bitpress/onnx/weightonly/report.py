@@ -44,6 +44,8 @@ class WeightRow:
     note: str | None = None  # a setting the planner adjusted, or why a preset chose these bits
     expected_bits: float | None = None  # bits per weight its layout stores (integers + scales + zero points)
     error: float | None = None  # measured relative error (after a run)
+    #: calibrated passes: ||x (W - Q)|| / ||x W|| over the calibration tokens (the layer's output error)
+    output_error: float | None = None
 
     @property
     def kind(self) -> str:
@@ -59,6 +61,7 @@ class Report:
     quantized: int = 0
     skipped: dict[str, str] = field(default_factory=dict)
     errors: dict[str, float] = field(default_factory=dict)  # weight -> relative error
+    output_errors: dict[str, float] = field(default_factory=dict)  # weight -> relative layer-output error
     weights: int = 0  # float weights quantized
     stored_bytes: int = 0  # bytes of integers, scales and zero points written for them
     #: one row per candidate weight (empty for reports that do not plan, e.g. the Hugging Face passes)
@@ -119,6 +122,10 @@ class Report:
             worst = max(self.errors.items(), key=lambda kv: kv[1])
             mean = sum(self.errors.values()) / len(self.errors)
             text += f", relative weight error mean {mean:.4f}, worst {worst[1]:.4f} ({worst[0]})"
+        if self.output_errors:
+            worst = max(self.output_errors.items(), key=lambda kv: kv[1])
+            mean = sum(self.output_errors.values()) / len(self.output_errors)
+            text += f", layer-output error on the calibration data mean {mean:.4f}, worst {worst[1]:.4f} ({worst[0]})"
         if self.skipped:
             text += f"; {len(self.skipped)} left in float (see -v)"
         if self.unmatched:
@@ -148,6 +155,12 @@ class Report:
         for row in self.rows:
             if row.weight == weight:
                 row.error = error
+
+    def record_output(self, weight: str, error: float) -> None:
+        self.output_errors[weight] = error
+        for row in self.rows:
+            if row.weight == weight:
+                row.output_error = error
 
 
 def nbits_estimate(float_zero_points: bool) -> Estimate:

@@ -1,0 +1,356 @@
+"""The calibrated weight-only pass: stage by stage, observe each input, solve its weights, go on.
+
+For every stage of :func:`~bitpress.onnx.calibrated.stages.plan_stages`, each calibration
+sample's frontier values go through an ONNX Runtime session of the stage's nodes; the
+activations that end the stage are reduced to :class:`~bitpress.quant.calibrated.LayerStats`
+on the way. Then the weights reading them are solved (after an optional input scaling, AWQ),
+written, and - ``sequential`` - the later stages compute with their dequantized values.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from bitpress.errors import QuantizationError, UsageError
+from bitpress.memory import release_free_memory
+from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx.calibrated.frontier import FrontierStore
+from bitpress.onnx.calibrated.scaling import InputScaling, apply_scalings
+from bitpress.onnx.calibrated.solve import Solved, read_rows, solve_calibrated, spec_of, weight_shape
+from bitpress.onnx.calibrated.stages import StagePlan, order_activations, plan_stages
+from bitpress.onnx.calibrated.stats import StatsAccumulator, combine
+from bitpress.onnx.calibrated.subgraph import stage_session
+from bitpress.onnx.weightonly import Group, Plan, WeightOnlyOptions, WeightOnlyPass
+from bitpress.onnx.weightonly.passes import log_plan
+from bitpress.onnx.weightonly.report import Report, planned_report
+from bitpress.onnx.weightonly.solving import solve_group
+from bitpress.onnx.weightonly.writing import Writer
+from bitpress.options import option
+from bitpress.passes import PassContext
+from bitpress.quant.calibrated import CalibratedSolver, InputScaler, LayerStats, Target
+
+log = logging.getLogger("bitpress.onnx.calibrated")
+
+
+@dataclass
+class CalibratedOptions(WeightOnlyOptions):
+    sequential: bool = option(
+        True, "inputs of each layer from the model with the earlier layers already quantized (false: from the "
+        "float model, in as few runs as memory_mb allows: faster, usually a little worse)"
+    )
+    memory_mb: int = option(
+        1024, "calibration activations held in memory before the rest go to the work folder; with sequential "
+        "false, also the statistics gathered in one run"
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.memory_mb < 16:
+            raise ValueError(f"memory_mb must be at least 16, got {self.memory_mb}")
+
+
+class CalibratedPass(WeightOnlyPass):
+    """Base of calibrated weight-only passes (GPTQ, AWQ): subclasses give :meth:`calibrated_solver`.
+
+    :meth:`input_scaler` (optional) picks per-channel input scales first (AWQ); weights no
+    activation reaches (embedding tables read only by ``Gather``) are rounded by
+    :meth:`solver`, a plain block solver.
+    """
+
+    needs_data: ClassVar[bool] = True
+    Options: ClassVar[type] = CalibratedOptions
+
+    def calibrated_solver(self, group: Group) -> CalibratedSolver:
+        raise NotImplementedError
+
+    def input_scaler(self) -> InputScaler | None:
+        return None
+
+    def run(self, model: Any, context: PassContext) -> Any:
+        if not isinstance(model, OnnxModel):
+            raise QuantizationError(f"{self.name} quantizes ONNX models, got {model.kind}")
+        if context.data is None:
+            raise UsageError(f"{self.name} needs calibration data: give --data (a .txt file with --tokenizer, "
+                             "a .npz file or folder, or random)")
+        p = self.weight_plan(model)
+        report = planned_report(model, p, self.estimate())
+        log_plan(report, p, model)
+        report.planned = False
+        if not p.groups:
+            log.warning("no weights to quantize in %s: %s", model.source.name, report.summary())
+            return model
+        if context.workdir is not None:
+            self._calibrate(model, p, report, context, Path(context.workdir) / "calibration")
+        else:
+            with tempfile.TemporaryDirectory(prefix="bitpress-calibration-") as tmp:
+                self._calibrate(model, p, report, context, Path(tmp))
+        context.extras.setdefault("reports", []).append((self.name, model.source, report))
+        log.info("%s: %s", self.name, report.summary())
+        return model
+
+    # -- the run -------------------------------------------------------------------------------
+    def _calibrate(self, model: OnnxModel, p: Plan, report: Report, context: PassContext, folder: Path) -> None:
+        opts = self.options
+        started = time.perf_counter()
+        self._dtypes: dict[str, np.dtype] = {}  # each activation's element type, seen on the way
+        feeds = list(_feeds(model, context))
+        if not feeds:
+            raise QuantizationError("the calibration data yielded no samples")
+        scaler = self.input_scaler()
+        solvers = {g.weight: self.calibrated_solver(g) for g in p.groups}
+        needs = frozenset().union(*(s.needs for s in solvers.values()), scaler.needs if scaler else frozenset())
+        acts_of = {g.weight: sorted({u.node.input[0] for u in g.uses if not u.is_gather}) for g in p.groups}
+        tables = [g for g in p.groups if not acts_of[g.weight]]
+        order = order_activations(model.graph, {a for acts in acts_of.values() for a in acts})
+        stage_groups = self._stage_groups(model, p, order, acts_of)
+        splan = plan_stages(model.graph, stage_groups)
+        node_index = {id(n): i for i, n in enumerate(model.graph.node)}
+        # the stage after which each weight is solved, and the last stage that computes with it
+        done_at = {g.weight: max(_stage_of(splan, a) for a in acts_of[g.weight]) if acts_of[g.weight] else -1
+                   for g in p.groups}
+        used_until = {g.weight: max([splan.stage_of_node.get(node_index[id(n)], -1)
+                                     for u in g.uses for n in (u.node, u.transpose) if n is not None])
+                      for g in p.groups}
+        writer = Writer(model, opts.accuracy_level)
+        store = FrontierStore(folder, opts.memory_mb << 20)
+        substitutes: dict[str, np.ndarray] = {}
+        scalings: list[InputScaling] = []
+        n = len(feeds)
+        try:
+            for s, feed in enumerate(feeds):
+                for name in splan.feeds:
+                    if name not in feed:
+                        raise QuantizationError(f"the calibration data has no input {name!r}")
+                    store.put(s, name, feed[name])
+            del feeds
+            # tables no activation reaches (the embedding): rounded first, so every stage sees them quantized
+            for g in tables:
+                res = solve_group(model, g, self.solver(), self.float_zero_points(), None, None)
+                if opts.sequential and used_until[g.weight] >= 0:
+                    substitutes[g.weight] = _dequantized(model, g, res)
+                writer.write(res)
+                report.quantized += 1
+                report.weights += res.packed.shape[0] * res.k
+                report.record(g.weight, res.error)
+            with context.step(len(splan.stages), "calibrating") as advance:
+                for j, stage in enumerate(splan.stages):
+                    t0 = time.perf_counter()
+                    stats = self._observe(model, splan, j, store, n, needs, substitutes if opts.sequential else {})
+                    t1 = time.perf_counter()
+                    groups = [g for g in p.groups if done_at[g.weight] == j]
+                    self._solve_stage(model, groups, acts_of, stats, store, n, scaler, solvers, writer, report,
+                                      substitutes, scalings, opts.sequential, used_until, j, context)
+                    log.debug("stage %d/%d: %d nodes observed in %.2f s, %d weights solved in %.2f s; frontier "
+                              "%.1f MB", j + 1, len(splan.stages), len(stage.nodes), t1 - t0, len(groups),
+                              time.perf_counter() - t1, store.resident / 2**20)
+                    for w in [w for w, last in used_until.items() if last <= j and w in substitutes]:
+                        del substitutes[w]
+                    store.drop(stage.release, n)
+                    release_free_memory()
+                    advance(1)
+        finally:
+            store.close()
+        writer.finish()
+        report.stored_bytes = writer.stored_bytes
+        apply_scalings(model, scalings, {g.weight for g in p.groups})
+        for sc in scalings:
+            log.info("input %s scaled: %s", sc.activation, sc.how)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        log.info("%s: %d samples, %d stages, %.1f s; frontier peak %.0f MB in memory, %.0f MB spilled; peak RSS "
+                 "%.0f MB", self.name, n, len(splan.stages), time.perf_counter() - started, store.peak / 2**20,
+                 store.spilled / 2**20, peak)
+
+    def _stage_groups(
+        self, model: OnnxModel, p: Plan, order: list[str], acts_of: dict[str, list[str]],
+    ) -> list[list[str]]:
+        if self.options.sequential:
+            return [[a] for a in order]
+        # float inputs: as many activations per run as the statistics' memory allows
+        k_of: dict[str, int] = {}
+        for g in p.groups:
+            _, k = weight_shape(model, g)
+            for a in acts_of[g.weight]:
+                k_of[a] = k
+        budget = self.options.memory_mb << 20
+        out: list[list[str]] = [[]]
+        used = 0
+        for a in order:
+            cost = 8 * k_of[a] * k_of[a]
+            if out[-1] and used + cost > budget:
+                out.append([])
+                used = 0
+            out[-1].append(a)
+            used += cost
+        return out
+
+    def _observe(
+        self, model: OnnxModel, splan: StagePlan, j: int, store: FrontierStore, n: int, needs: frozenset[str],
+        substitutes: dict[str, np.ndarray],
+    ) -> dict[str, LayerStats]:
+        stage = splan.stages[j]
+        acc = {a: StatsAccumulator(needs, n) for a in stage.activations}
+        keep = [o for o in stage.outputs if o not in stage.release]
+        session = None
+        if stage.nodes:
+            example = {name: store.get(0, name) for name in stage.inputs}
+            session = stage_session(model, stage, example, substitutes)
+        for s in range(n):
+            values: dict[str, np.ndarray] = {}
+            if session is not None:
+                feed = {name: np.asarray(store.get(s, name)) for name in stage.inputs}
+                try:
+                    values = dict(zip(stage.outputs, session.run(stage.outputs, feed), strict=True))
+                except Exception as exc:  # ORT raises its own pybind exception types
+                    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in feed.items())
+                    raise QuantizationError(
+                        f"cannot run the model on the calibration data (stage {j + 1}, inputs {shapes}): "
+                        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+                    ) from None
+            for name in keep:
+                store.put(s, name, values[name])
+            for a in stage.activations:
+                value = values[a] if a in values else store.get(s, a)
+                self._dtypes[a] = np.dtype(value.dtype)
+                acc[a].add(value)
+            del values
+        del session
+        return {a: st.result() for a, st in acc.items()}
+
+    def _solve_stage(
+        self, model: OnnxModel, groups: list[Group], acts_of: dict[str, list[str]], stats: dict[str, LayerStats],
+        store: FrontierStore, n: int, scaler: InputScaler | None, solvers: dict[str, CalibratedSolver],
+        writer: Writer, report: Report, substitutes: dict[str, np.ndarray], scalings: list[InputScaling],
+        sequential: bool, used_until: dict[str, int], j: int, context: PassContext,
+    ) -> None:
+        if not groups:
+            return
+        fzp = self.float_zero_points()
+        scales: dict[str, np.ndarray] = {}
+        if scaler is not None:
+            for act in sorted({a for g in groups for a in acts_of[g.weight]}):
+                s = self._input_scales(model, act, groups, acts_of, stats[act], scaler, fzp)
+                if s is None:
+                    continue
+                # later stages read x unscaled and compute with Q / s (the substitutes): no frontier change
+                scales[act] = s
+                readers = frozenset(u.node.output[0] for g in groups if act in acts_of[g.weight] for u in g.uses)
+                scalings.append(InputScaling(act, (1.0 / s).astype(np.float32), self._dtypes[act], readers))
+                stats[act] = stats[act].scaled(s)
+        prepared: dict[tuple[Any, ...], Any] = {}
+        jobs: list[tuple[Group, Any, LayerStats, np.ndarray | None]] = []
+        for g in groups:
+            acts = acts_of[g.weight]
+            st = combine([stats[a] for a in acts])
+            sc = scales.get(acts[0]) if len(acts) == 1 else None
+            spec = spec_of(g, fzp)
+            _, k = weight_shape(model, g)
+            kp = -(-k // spec.block_size) * spec.block_size
+            key = (id(solvers[g.weight]), tuple(acts), spec)
+            if key not in prepared:
+                prepared[key] = solvers[g.weight].prepare(st.padded(kp), spec)
+            jobs.append((g, prepared[key], st, sc))
+
+        def work(job: tuple[Group, Any, LayerStats, np.ndarray | None]) -> Solved:
+            g, prep, st, sc = job
+            # errors are measured on the input the model sees: unscaled statistics, the weight Q / s
+            raw = st if sc is None else st.scaled(1.0 / sc)
+            return solve_calibrated(model, g, solvers[g.weight], prep, raw, spec_of(g, fzp), scales=sc,
+                                    want_substitute=sequential and used_until[g.weight] > j)
+
+        with ThreadPoolExecutor(max(1, min(int(context.jobs), len(jobs)))) as pool:
+            for solved in pool.map(work, jobs):
+                res = solved.result
+                writer.write(res)
+                report.quantized += 1
+                report.weights += res.packed.shape[0] * res.k
+                report.record(res.group.weight, res.error)
+                if solved.output_error is not None:
+                    report.record_output(res.group.weight, solved.output_error)
+                if solved.substitute is not None:
+                    substitutes[res.group.weight] = solved.substitute
+
+    def _input_scales(
+        self, model: OnnxModel, act: str, groups: list[Group], acts_of: dict[str, list[str]], stats: LayerStats,
+        scaler: InputScaler, fzp: bool,
+    ) -> np.ndarray | None:
+        mine = [g for g in groups if act in acts_of[g.weight]]
+        if any(len(acts_of[g.weight]) > 1 or any(u.is_gather for u in g.uses) for g in mine):
+            log.info("input %s not scaled: a weight reading it is also read elsewhere (tied or shared)", act)
+            return None
+        weights = [read_rows(model, g, 0, weight_shape(model, g)[0]) for g in mine]
+        s = scaler.scales(weights, stats, [spec_of(g, fzp) for g in mine],
+                          [Target(g.weight, tuple(u.node.name for u in g.uses)) for g in mine])
+        if s is None:
+            return None
+        s = np.asarray(s, dtype=np.float32)
+        if s.shape != (stats.channels,) or not np.isfinite(s).all() or (s <= 0).any():
+            raise QuantizationError(f"the input scaler returned invalid scales for {act} (shape {s.shape}; they must "
+                                    "be positive and finite, one per input channel)")
+        return s
+
+
+def _stage_of(splan: StagePlan, activation: str) -> int:
+    for j, st in enumerate(splan.stages):
+        if activation in st.activations:
+            return j
+    raise QuantizationError(f"internal error: activation {activation} has no stage")
+
+
+def _dequantized(model: OnnxModel, group: Group, res: Any) -> np.ndarray:
+    """A rounded table's values as the quantized model reads them, in its stored orientation and dtype."""
+    from bitpress.onnx import layout
+    from bitpress.onnx.tensors import np_dtype
+    from bitpress.onnx.weightonly.writing import scale_dtype_of
+    from bitpress.quant.solver import QuantizedBlocks, dequantize
+
+    dtype = np_dtype(model.initializers()[group.weight])
+    stored = scale_dtype_of(dtype)
+    b = res.blocks
+    q = layout.unpack_along_last(res.packed, group.bits, group.block_size)
+    zp = b.zero_points if b.zero_points is None or b.zero_points.dtype == np.uint8 else \
+        b.zero_points.astype(stored).astype(np.float32)
+    deq = dequantize(QuantizedBlocks(q, b.scales.astype(stored).astype(np.float32), zp), group.bits)
+    deq = deq.reshape(deq.shape[0], -1)[:, : res.k]
+    if not group.uses[0].rows_are_table_rows:
+        deq = np.ascontiguousarray(deq.T)
+    return deq.astype(dtype, copy=False)
+
+
+def _feeds(model: OnnxModel, context: PassContext) -> Any:
+    from bitpress.data import DataConfig, iter_feeds
+
+    return iter_feeds(model.proto, DataConfig.from_value(context.data), model.source.parent,
+                      root=getattr(model, "package_root", None))
+
+
+def rounding_solver(name: str, bits: int, block_size: int, symmetric: bool) -> tuple[Any, bool]:
+    """The block solver of the registered weight-only pass ``name`` (``rtn``, ``kquant``, ``hqq``, a
+    third party's) with these settings, and whether it writes float zero points.
+
+    For calibrated passes whose final rounding is any block solver (AWQ's ``quantizer``).
+    """
+    from dataclasses import fields
+
+    from bitpress.plugins import get_registry
+
+    cls = get_registry().get_pass(name)
+    if not (isinstance(cls, type) and issubclass(cls, WeightOnlyPass)) or issubclass(cls, CalibratedPass):
+        raise UsageError(f"quantizer {name!r} is not a block-solver pass; use rtn, kquant, hqq or another "
+                         "plain weight-only pass (see bitpress passes list)")
+    reason = cls.unavailable_reason()
+    if reason:
+        raise UsageError(f"quantizer {name!r} is unavailable: {reason}")
+    known = {f.name for f in fields(cls.Options)}
+    values = {k: v for k, v in {"bits": bits, "block_size": block_size, "is_symmetric": symmetric}.items()
+              if k in known}
+    inst = cls.from_config(values, strict=True)
+    return inst.solver(), inst.float_zero_points()

@@ -1,0 +1,126 @@
+"""Solving one planned weight with a calibrated solver, in slabs of whole rows, and what it costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from bitpress.errors import QuantizationError
+from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx import layout
+from bitpress.onnx.tensors import np_dtype
+from bitpress.onnx.weightonly.planning import Group, zero_point_kind
+from bitpress.onnx.weightonly.solving import Result, _check_solver_output
+from bitpress.onnx.weightonly.writing import scale_dtype_of
+from bitpress.quant.calibrated import CalibratedSolver, LayerStats, Target, output_error
+from bitpress.quant.solver import BlockSpec, QuantizedBlocks, dequantize
+
+#: float32 elements of one slab of rows handed to a calibrated solver (whole rows: all of K)
+ROW_CHUNK_ELEMENTS = 1 << 22
+
+
+@dataclass
+class Solved:
+    """A solved weight: what the writer stores, and what later stages compute with."""
+
+    result: Result
+    output_error: float | None  # ||x (W - Q)|| / ||x W|| over the calibration tokens
+    #: the dequantized weight in its stored orientation and dtype (``None`` unless asked for)
+    substitute: np.ndarray | None
+
+
+def weight_shape(model: OnnxModel, group: Group) -> tuple[int, int]:
+    """``(rows, K)`` of a planned weight in the solver's orientation."""
+    a, b = (int(d) for d in model.initializers()[group.weight].dims)
+    return (a, b) if group.uses[0].rows_are_table_rows else (b, a)
+
+
+def read_rows(model: OnnxModel, group: Group, r0: int, r1: int) -> np.ndarray:
+    """float32 ``[r1 - r0, K]``: rows ``r0:r1`` of a weight in the solver's orientation."""
+    tensor = model.initializers()[group.weight]
+    reader = model.resolver.row_reader(tensor)
+    if group.uses[0].rows_are_table_rows:
+        return np.asarray(reader(r0, r1), dtype=np.float32)
+    k = int(tensor.dims[0])
+    out = np.empty((r1 - r0, k), np.float32)
+    band = max(1, ROW_CHUNK_ELEMENTS // max(int(tensor.dims[1]), 1))
+    for k0 in range(0, k, band):
+        k1 = min(k, k0 + band)
+        out[:, k0:k1] = np.asarray(reader(k0, k1)[:, r0:r1], dtype=np.float32).T
+    return out
+
+
+def spec_of(group: Group, float_zero_points: bool) -> BlockSpec:
+    return BlockSpec(group.bits, group.block_size, group.symmetric,
+                     zero_point_kind(group, float_zero_points) == "float")
+
+
+def solve_calibrated(
+    model: OnnxModel, group: Group, solver: CalibratedSolver, prepared: object, stats: LayerStats | None,
+    spec: BlockSpec, *, scales: np.ndarray | None = None, want_substitute: bool = False,
+) -> Solved:
+    """Quantize ``group`` with ``solver`` (prepared for its input); ``scales``: the input's AWQ
+    scales (the weight's columns are multiplied by them first; the error is measured on the
+    weight the model computes with, ``Q / s``)."""
+    tensor = model.initializers()[group.weight]
+    dtype = np_dtype(tensor)
+    rows, k = weight_shape(model, group)
+    bs = spec.block_size
+    n_blocks = -(-k // bs)
+    kp = n_blocks * bs
+    packed = np.empty((rows, n_blocks, bs * spec.bits // 8), np.uint8)
+    out_scales = np.empty((rows, n_blocks), np.float32)
+    zps = None if spec.symmetric else np.empty((rows, n_blocks), np.float32 if spec.float_zero_points else np.uint8)
+    sub = np.empty((rows, k), np.float32) if want_substitute else None
+    stored = scale_dtype_of(dtype)
+    target = Target(group.weight, tuple(u.node.name for u in group.uses))
+    err_num = err_den = out_num = out_den = 0.0
+    step = max(1, ROW_CHUNK_ELEMENTS // max(kp, 1))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        w = read_rows(model, group, r0, r1)
+        if not np.isfinite(w).all():
+            raise QuantizationError(f"weight {group.weight} holds NaN or infinite values; cannot quantize it")
+        ws = w if scales is None else w * scales[None, :]
+        wp = np.zeros((r1 - r0, kp), np.float32)
+        wp[:, :k] = ws
+        try:
+            q = solver.solve(wp, spec, prepared, target)
+        except ValueError as exc:
+            raise QuantizationError(f"weight {group.weight}: {exc}") from None
+        _check_solver_output(q, (r1 - r0, n_blocks, bs), spec, group.weight)
+        if not np.isfinite(q.scales).all():
+            raise QuantizationError(f"weight {group.weight}: the solver returned non-finite scales")
+        if zps is not None and q.zero_points is None:
+            raise QuantizationError(f"solver returned no zero points for asymmetric {group.weight}")
+        packed[r0:r1] = layout.pack_along_last(q.q, spec.bits)
+        out_scales[r0:r1] = q.scales
+        if zps is not None:
+            zps[r0:r1] = q.zero_points
+        # what the written model computes with: scales (and float zero points) in the stored dtype
+        as_stored = QuantizedBlocks(q.q, q.scales.astype(stored).astype(np.float32),
+                                    None if q.zero_points is None or q.zero_points.dtype == np.uint8
+                                    else q.zero_points.astype(stored).astype(np.float32))
+        if q.zero_points is not None and q.zero_points.dtype == np.uint8:
+            as_stored.zero_points = q.zero_points
+        deq = dequantize(as_stored, spec.bits).reshape(r1 - r0, kp)[:, :k]
+        if scales is not None:
+            deq /= scales[None, :]
+        d = w - deq
+        err_num += float(np.einsum("ij,ij->", d, d, dtype=np.float64))
+        err_den += float(np.einsum("ij,ij->", w, w, dtype=np.float64))
+        if stats is not None and (stats.hessian is not None or stats.sample is not None):
+            out_num += output_error(stats, d)
+            out_den += output_error(stats, w)
+        if sub is not None:
+            sub[r0:r1] = deq
+        del w, ws, wp, q, deq, d
+    blocks = QuantizedBlocks(np.empty((rows, n_blocks, 0), np.uint8), out_scales, zps)
+    res = Result(group, blocks, packed, k, dtype, (err_num / err_den) ** 0.5 if err_den else 0.0)
+    out_err = (out_num / out_den) ** 0.5 if out_den else None
+    substitute = None
+    if sub is not None:
+        sub = sub if group.uses[0].rows_are_table_rows else np.ascontiguousarray(sub.T)
+        substitute = sub.astype(dtype, copy=False)
+    return Solved(res, out_err, substitute)
