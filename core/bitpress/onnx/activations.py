@@ -264,6 +264,9 @@ def session_for(graph: bytes, base: Path) -> Any:  # an onnxruntime.InferenceSes
     # pre-packing keeps a packed copy of every MatMul weight: twice the weights for a few runs
     opts.add_session_config_entry("session.disable_prepacking", "1")
     opts.enable_mem_pattern = False  # a pattern block preallocated on top of the arena: ~10% more for nothing
+    # numpy's BLAS works between runs (statistics, solves): ONNX Runtime's threads must not spin meanwhile
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
     except Exception as exc:  # ORT raises its own pybind exception types

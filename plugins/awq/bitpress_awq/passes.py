@@ -61,7 +61,11 @@ class AwqPass(CalibratedPass):
         return AwqScaler(self.solver(), n_grid=o.n_grid, duo_scaling=o.duo_scaling)
 
     def calibrated_solver(self, group: Group) -> CalibratedSolver:
-        o = self.options
-        return AwqClipSolver(
-            self.solver(), n_grid=o.n_grid, max_shrink=o.max_shrink if o.clip else 0.0, clip_skip=o.clip_skip
-        )
+        if self._clip is None:  # one solver: weights sharing an input share its prepared Hessian blocks
+            o = self.options
+            self._clip = AwqClipSolver(
+                self.solver(), n_grid=o.n_grid, max_shrink=o.max_shrink if o.clip else 0.0, clip_skip=o.clip_skip
+            )
+        return self._clip
+
+    _clip: AwqClipSolver | None = None

@@ -26,7 +26,8 @@ class GptqOptions(CalibratedOptions):
     damp_percent: float = option(0.01, "dampening added to the Hessian's diagonal, as a share of its mean")
     block_size_solve: int = option(128, "columns updated lazily at once (GPTQ's block size; a multiple of block_size)")
     desc_act: bool = option(
-        False, "act-order: solve the input channels by decreasing activation energy (static groups: no g_idx)"
+        True, "act-order: solve the input channels by decreasing activation energy (static groups, so MatMulNBits "
+        "needs no g_idx and inference costs nothing more)"
     )
     mse: bool = option(False, "search each group's range (shrink 1.00..0.80) for the smallest error, not min/max")
 
@@ -53,9 +54,13 @@ class GptqPass(CalibratedPass):
     Options: ClassVar[type] = GptqOptions
 
     def calibrated_solver(self, group: Group) -> CalibratedSolver:
-        o = self.options
-        return GptqSolver(GptqSettings(damp_percent=o.damp_percent, block_size_solve=o.block_size_solve,
-                                       desc_act=o.desc_act, mse=o.mse))
+        if self._gptq is None:  # one solver: q/k/v (gate/up) share one prepared inverse Hessian
+            o = self.options
+            self._gptq = GptqSolver(GptqSettings(damp_percent=o.damp_percent, block_size_solve=o.block_size_solve,
+                                                 desc_act=o.desc_act, mse=o.mse))
+        return self._gptq
+
+    _gptq: GptqSolver | None = None
 
     def solver(self) -> BlockSolver:
         """Tables no activation reaches (an untied embedding): rounded on GPTQ's grid."""

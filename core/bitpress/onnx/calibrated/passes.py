@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from bitpress.errors import QuantizationError, UsageError
 from bitpress.memory import release_free_memory
@@ -70,6 +71,8 @@ class CalibratedPass(WeightOnlyPass):
     Options: ClassVar[type] = CalibratedOptions
 
     def calibrated_solver(self, group: Group) -> CalibratedSolver:
+        """The solver for ``group``'s weight; weights reading one input share :meth:`~CalibratedSolver.prepare`
+        when they get the same solver object (return one instance unless the weights need different ones)."""
         raise NotImplementedError
 
     def input_scaler(self) -> InputScaler | None:
@@ -88,11 +91,14 @@ class CalibratedPass(WeightOnlyPass):
         if not p.groups:
             log.warning("no weights to quantize in %s: %s", model.source.name, report.summary())
             return model
-        if context.workdir is not None:
-            self._calibrate(model, p, report, context, Path(context.workdir) / "calibration")
-        else:
-            with tempfile.TemporaryDirectory(prefix="bitpress-calibration-") as tmp:
-                self._calibrate(model, p, report, context, Path(tmp))
+        # numpy's BLAS gets one thread: the solves run on bitpress's threads (--jobs) and ONNX Runtime on its
+        # own; OpenBLAS's threads on top oversubscribe the cores (measured 10-60x slower on a busy machine)
+        with threadpool_limits(1, user_api="blas"):
+            if context.workdir is not None:
+                self._calibrate(model, p, report, context, Path(context.workdir) / "calibration")
+            else:
+                with tempfile.TemporaryDirectory(prefix="bitpress-calibration-") as tmp:
+                    self._calibrate(model, p, report, context, Path(tmp))
         context.extras.setdefault("reports", []).append((self.name, model.source, report))
         log.info("%s: %s", self.name, report.summary())
         return model
@@ -245,6 +251,33 @@ class CalibratedPass(WeightOnlyPass):
                 readers = frozenset(u.node.output[0] for g in groups if act in acts_of[g.weight] for u in g.uses)
                 scalings.append(InputScaling(act, (1.0 / s).astype(np.float32), self._dtypes[act], readers))
                 stats[act] = stats[act].scaled(s)
+
+        def work(job: tuple[Group, Any, LayerStats, np.ndarray | None]) -> Solved:
+            g, prep, st, sc = job
+            # errors are measured on the input the model sees: unscaled statistics, the weight Q / s
+            raw = st if sc is None else st.scaled(1.0 / sc)
+            return solve_calibrated(model, g, solvers[g.weight], prep, raw, spec_of(g, fzp), scales=sc,
+                                    want_substitute=sequential and used_until[g.weight] > j)
+
+        workers = max(1, min(int(context.jobs), len(groups)))
+        with ThreadPoolExecutor(workers) as pool:
+            jobs = self._prepare(model, groups, acts_of, stats, scales, solvers, fzp)
+            for solved in pool.map(work, jobs):
+                res = solved.result
+                writer.write(res)
+                report.quantized += 1
+                report.weights += res.packed.shape[0] * res.k
+                report.record(res.group.weight, res.error)
+                if solved.output_error is not None:
+                    report.record_output(res.group.weight, solved.output_error)
+                if solved.substitute is not None:
+                    substitutes[res.group.weight] = solved.substitute
+
+    def _prepare(
+        self, model: OnnxModel, groups: list[Group], acts_of: dict[str, list[str]], stats: dict[str, LayerStats],
+        scales: dict[str, np.ndarray], solvers: dict[str, CalibratedSolver], fzp: bool,
+    ) -> list[tuple[Group, Any, LayerStats, np.ndarray | None]]:
+        """Each group's solver prepared for its input (once per input, layout and solver: q/k/v share it)."""
         prepared: dict[tuple[Any, ...], Any] = {}
         jobs: list[tuple[Group, Any, LayerStats, np.ndarray | None]] = []
         for g in groups:
@@ -258,25 +291,7 @@ class CalibratedPass(WeightOnlyPass):
             if key not in prepared:
                 prepared[key] = solvers[g.weight].prepare(st.padded(kp), spec)
             jobs.append((g, prepared[key], st, sc))
-
-        def work(job: tuple[Group, Any, LayerStats, np.ndarray | None]) -> Solved:
-            g, prep, st, sc = job
-            # errors are measured on the input the model sees: unscaled statistics, the weight Q / s
-            raw = st if sc is None else st.scaled(1.0 / sc)
-            return solve_calibrated(model, g, solvers[g.weight], prep, raw, spec_of(g, fzp), scales=sc,
-                                    want_substitute=sequential and used_until[g.weight] > j)
-
-        with ThreadPoolExecutor(max(1, min(int(context.jobs), len(jobs)))) as pool:
-            for solved in pool.map(work, jobs):
-                res = solved.result
-                writer.write(res)
-                report.quantized += 1
-                report.weights += res.packed.shape[0] * res.k
-                report.record(res.group.weight, res.error)
-                if solved.output_error is not None:
-                    report.record_output(res.group.weight, solved.output_error)
-                if solved.substitute is not None:
-                    substitutes[res.group.weight] = solved.substitute
+        return jobs
 
     def _input_scales(
         self, model: OnnxModel, act: str, groups: list[Group], acts_of: dict[str, list[str]], stats: LayerStats,
