@@ -46,11 +46,10 @@ log = logging.getLogger("bitpress.onnx.calibrated")
 class CalibratedOptions(WeightOnlyOptions):
     sequential: bool = option(
         True, "inputs of each layer from the model with the earlier layers already quantized (false: from the "
-        "float model, in as few runs as memory_mb allows: faster, usually a little worse)"
+        "float model, as ONNX Runtime's GPTQ does; no faster: every node runs once either way)"
     )
     memory_mb: int = option(
-        1024, "calibration activations held in memory before the rest go to the work folder; with sequential "
-        "false, also the statistics gathered in one run"
+        1024, "calibration activations held in memory between layers before the rest go to the work folder"
     )
 
     def validate(self) -> None:
@@ -114,11 +113,12 @@ class CalibratedPass(WeightOnlyPass):
         scaler = self.input_scaler()
         solvers = {g.weight: self.calibrated_solver(g) for g in p.groups}
         needs = frozenset().union(*(s.needs for s in solvers.values()), scaler.needs if scaler else frozenset())
-        acts_of = {g.weight: sorted({u.node.input[0] for u in g.uses if not u.is_gather}) for g in p.groups}
+        consts = set(model.initializers())  # a MatMul of two constants has no activation to observe
+        acts_of = {g.weight: sorted({u.node.input[0] for u in g.uses if not u.is_gather} - consts) for g in p.groups}
         tables = [g for g in p.groups if not acts_of[g.weight]]
         order = order_activations(model.graph, {a for acts in acts_of.values() for a in acts})
-        stage_groups = self._stage_groups(model, p, order, acts_of)
-        splan = plan_stages(model.graph, stage_groups)
+        # one stage per input, float inputs or not: every node runs once, statistics are held one input at a time
+        splan = plan_stages(model.graph, [[a] for a in order])
         node_index = {id(n): i for i, n in enumerate(model.graph.node)}
         # the stage after which each weight is solved, and the last stage that computes with it
         done_at = {g.weight: max(_stage_of(splan, a) for a in acts_of[g.weight]) if acts_of[g.weight] else -1
@@ -174,29 +174,6 @@ class CalibratedPass(WeightOnlyPass):
         log.info("%s: %d samples, %d stages, %.1f s; frontier peak %.0f MB in memory, %.0f MB spilled; peak RSS "
                  "%.0f MB", self.name, n, len(splan.stages), time.perf_counter() - started, store.peak / 2**20,
                  store.spilled / 2**20, peak)
-
-    def _stage_groups(
-        self, model: OnnxModel, p: Plan, order: list[str], acts_of: dict[str, list[str]],
-    ) -> list[list[str]]:
-        if self.options.sequential:
-            return [[a] for a in order]
-        # float inputs: as many activations per run as the statistics' memory allows
-        k_of: dict[str, int] = {}
-        for g in p.groups:
-            _, k = weight_shape(model, g)
-            for a in acts_of[g.weight]:
-                k_of[a] = k
-        budget = self.options.memory_mb << 20
-        out: list[list[str]] = [[]]
-        used = 0
-        for a in order:
-            cost = 8 * k_of[a] * k_of[a]
-            if out[-1] and used + cost > budget:
-                out.append([])
-                used = 0
-            out[-1].append(a)
-            used += cost
-        return out
 
     def _observe(
         self, model: OnnxModel, splan: StagePlan, j: int, store: FrontierStore, n: int, needs: frozenset[str],
