@@ -420,7 +420,7 @@ def test_genai_folders_given_by_relative_paths(tmp_path: Path, monkeypatch: pyte
     ref = build_genai_folder(tmp_path / "float", hidden=64, layers=1)
     out = quantize(ref, tmp_path / "int4", algorithm="rtn", precision="int4", options={"block_size": 32},
                    registry=rtn_registry())
-    text = word_text(tmp_path / "t.txt", 100, 256, prefix="tok")
+    word_text(tmp_path / "t.txt", 100, 256, prefix="tok")
     monkeypatch.chdir(tmp_path)
     res = evaluate(Path(out.output.name), Path("float"), text=Path("t.txt"), tokenizer=Path("float"), seq_len=20)
     assert res.perplexity is not None and res.perplexity.windows == 5

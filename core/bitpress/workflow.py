@@ -519,6 +519,9 @@ def run_workflow(
         raise UsageError(f"no plugin can load {src}")
     try:
         _check_output_spares_input(model, wf.output, folder_out)
+        from bitpress.hf.calibrated_pass import check_order
+
+        check_order([s.pass_ for s in wf.steps])  # a calibration pass needs a clean float model: refused up front
         for step in wf.steps:
             kinds = step.pass_.model_kinds
             target_kind = "onnx" if isinstance(model, OnnxPackage) else model.kind

@@ -19,3 +19,9 @@ def bitpress_register_passes(register):
     from bitpress_awq.passes import AwqPass
 
     register(AwqPass)
+    # Hugging Face (PyTorch) passes: their modules import torch only when they run
+    from bitpress.hf.passes import HfToOnnxPass
+    from bitpress_awq.hf_passes import AwqHfPass
+
+    register(AwqHfPass)
+    register(HfToOnnxPass)  # host code; every plugin with HF passes registers the same class

@@ -18,3 +18,9 @@ def bitpress_register_passes(register):
     from bitpress_gptq.passes import GptqPass
 
     register(GptqPass)
+    # Hugging Face (PyTorch) passes: their modules import torch only when they run
+    from bitpress.hf.passes import HfToOnnxPass
+    from bitpress_gptq.hf_passes import GptqHfPass
+
+    register(GptqHfPass)
+    register(HfToOnnxPass)  # host code; every plugin with HF passes registers the same class

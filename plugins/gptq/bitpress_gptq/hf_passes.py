@@ -1,0 +1,63 @@
+"""GPTQ on PyTorch (Hugging Face) models: ``gptq_hf``, Olive's ``Gptq`` and ``GptqQuantizer``.
+
+The numpy solver of the ONNX ``gptq`` pass (:class:`~bitpress_gptq.solver.GptqSolver`) on the
+host's layer-wise machinery (:mod:`bitpress.hf.calibrated`): each decoder block's linears are
+solved with the Hessian of their inputs, sequentially (block k's inputs come from the model
+whose earlier blocks are already quantized). Embedding tables (no input statistics) are rounded
+on GPTQ's grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from bitpress.hf.calibrated_pass import CalibratedHfOptions, CalibratedHfPass
+from bitpress.options import option
+from bitpress.quant.solver import BlockSolver
+
+if TYPE_CHECKING:
+    from bitpress.hf.calibrated import Method
+
+
+@dataclass
+class GptqHfOptions(CalibratedHfOptions):
+    sym: bool = option(False, "symmetric (no zero points); default: an integer zero point per block")
+    damp_percent: float = option(0.01, "dampening added to the Hessian's diagonal, as a share of its mean")
+    block_size_solve: int = option(128, "columns updated lazily at once (GPTQ's block size; whole groups)")
+    desc_act: bool = option(
+        True, "act-order: solve the input channels by decreasing activation energy (static groups: the checkpoint "
+        "and MatMulNBits need no g_idx)"
+    )
+    mse: bool = option(False, "search each group's range (shrink 1.00..0.80) for the smallest error, not min/max")
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0 < self.damp_percent < 1:
+            raise ValueError(f"damp_percent must be between 0 and 1, got {self.damp_percent}")
+        if not 16 <= self.block_size_solve <= 4096:
+            raise ValueError(f"block_size_solve must be from 16 to 4096, got {self.block_size_solve}")
+
+
+class GptqHfPass(CalibratedHfPass):
+    """GPTQ (Frantar et al.) on a Hugging Face model's linears, block by block, on CPU."""
+
+    name = "gptq_hf"
+    algorithms = ("gptq",)
+    summary = "GPTQ on a Hugging Face model's linears, sequential over decoder blocks, stored quantized in place"
+    Options: ClassVar[type] = GptqHfOptions
+    aliases: ClassVar[tuple[str, ...]] = ("Gptq", "GptqQuantizer")
+
+    def solver(self) -> BlockSolver:
+        from bitpress_gptq.passes import grid_solver
+
+        return grid_solver(self.options.mse)
+
+    def method(self) -> Method:
+        from bitpress.hf.calibrated import Method
+        from bitpress_gptq.solver import GptqSettings, GptqSolver
+
+        o = self.options
+        settings = GptqSettings(damp_percent=o.damp_percent, block_size_solve=o.block_size_solve,
+                                desc_act=o.desc_act, mse=o.mse)
+        return Method(GptqSolver(settings), self.solver())
