@@ -123,7 +123,7 @@ def stats_model(model: OnnxModel, wanted: list[str]) -> tuple[bytes, dict[str, t
     del graph.output[:]
     graph.output.extend(onnx.ValueInfoProto(name=name) for name in new_outputs)
     _prune(graph)
-    _gather_without_transpose(graph)
+    gather_without_transpose(graph)
     base = _relocate(proto, model)
     return proto.SerializeToString(), outputs, base
 
@@ -162,7 +162,7 @@ def _prune(graph: onnx.GraphProto) -> None:
     log.debug("calibration graph: %d nodes no statistic needs dropped", dropped)
 
 
-def _gather_without_transpose(graph: onnx.GraphProto) -> None:
+def gather_without_transpose(graph: onnx.GraphProto) -> None:
     """``Gather(Transpose(W), ids)`` -> ``Transpose(Gather(W, ids, axis=1))``.
 
     The ONNX Runtime GenAI builder's fp32 exports read a tied embedding as ``Gather`` of the

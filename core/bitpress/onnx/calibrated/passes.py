@@ -26,7 +26,14 @@ from bitpress.memory import release_free_memory
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.calibrated.frontier import FrontierStore
 from bitpress.onnx.calibrated.scaling import InputScaling, apply_scalings
-from bitpress.onnx.calibrated.solve import Solved, read_rows, solve_calibrated, spec_of, weight_shape
+from bitpress.onnx.calibrated.solve import (
+    Solved,
+    computed_weight,
+    read_rows,
+    solve_calibrated,
+    spec_of,
+    weight_shape,
+)
 from bitpress.onnx.calibrated.stages import StagePlan, order_activations, plan_stages
 from bitpress.onnx.calibrated.stats import StatsAccumulator, combine
 from bitpress.onnx.calibrated.subgraph import stage_session
@@ -301,16 +308,12 @@ def _dequantized(model: OnnxModel, group: Group, res: Any) -> np.ndarray:
     """A rounded table's values as the quantized model reads them, in its stored orientation and dtype."""
     from bitpress.onnx import layout
     from bitpress.onnx.tensors import np_dtype
-    from bitpress.onnx.weightonly.writing import scale_dtype_of
-    from bitpress.quant.solver import QuantizedBlocks, dequantize
+    from bitpress.quant.solver import QuantizedBlocks
 
     dtype = np_dtype(model.initializers()[group.weight])
-    stored = scale_dtype_of(dtype)
     b = res.blocks
     q = layout.unpack_along_last(res.packed, group.bits, group.block_size)
-    zp = b.zero_points if b.zero_points is None or b.zero_points.dtype == np.uint8 else \
-        b.zero_points.astype(stored).astype(np.float32)
-    deq = dequantize(QuantizedBlocks(q, b.scales.astype(stored).astype(np.float32), zp), group.bits)
+    deq = computed_weight(QuantizedBlocks(q, b.scales, b.zero_points), group.bits, dtype)
     deq = deq.reshape(deq.shape[0], -1)[:, : res.k]
     if not group.uses[0].rows_are_table_rows:
         deq = np.ascontiguousarray(deq.T)

@@ -59,9 +59,9 @@ def fold_target(
     cons = consumers(graph)
     if any(not _is_reader(n, sc.readers) for n in cons.get(activation, [])):
         return None
-    from bitpress.onnx.weightonly.planning import _subgraph_reads
+    from bitpress.onnx.weightonly.planning import subgraph_reads_of
 
-    if activation in _subgraph_reads(graph):
+    if activation in subgraph_reads_of(graph):
         return None
     prod = producers(graph).get(activation)
     if prod is None:

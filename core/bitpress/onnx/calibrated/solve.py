@@ -11,7 +11,7 @@ from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx import layout
 from bitpress.onnx.tensors import np_dtype
 from bitpress.onnx.weightonly.planning import Group, zero_point_kind
-from bitpress.onnx.weightonly.solving import Result, _check_solver_output
+from bitpress.onnx.weightonly.solving import Result, check_solver_output
 from bitpress.onnx.weightonly.writing import scale_dtype_of
 from bitpress.quant.calibrated import CalibratedSolver, LayerStats, Target, output_error
 from bitpress.quant.solver import BlockSpec, QuantizedBlocks, dequantize
@@ -51,6 +51,16 @@ def read_rows(model: OnnxModel, group: Group, r0: int, r1: int) -> np.ndarray:
     return out
 
 
+def computed_weight(blocks: QuantizedBlocks, bits: int, dtype: np.dtype) -> np.ndarray:
+    """float32 ``[rows, n_blocks, block_size]``: what the written model computes with for a weight of
+    ``dtype``: the scales (and float zero points) rounded to the type the writer stores them in."""
+    stored = scale_dtype_of(dtype)
+    zps = blocks.zero_points
+    if zps is not None and zps.dtype != np.uint8:
+        zps = zps.astype(stored).astype(np.float32)
+    return dequantize(QuantizedBlocks(blocks.q, blocks.scales.astype(stored).astype(np.float32), zps), bits)
+
+
 def spec_of(group: Group, float_zero_points: bool) -> BlockSpec:
     return BlockSpec(group.bits, group.block_size, group.symmetric,
                      zero_point_kind(group, float_zero_points) == "float")
@@ -73,7 +83,6 @@ def solve_calibrated(
     out_scales = np.empty((rows, n_blocks), np.float32)
     zps = None if spec.symmetric else np.empty((rows, n_blocks), np.float32 if spec.float_zero_points else np.uint8)
     sub = np.empty((rows, k), np.float32) if want_substitute else None
-    stored = scale_dtype_of(dtype)
     target = Target(group.weight, tuple(u.node.name for u in group.uses))
     err_num = err_den = out_num = out_den = 0.0
     step = max(1, ROW_CHUNK_ELEMENTS // max(kp, 1))
@@ -89,7 +98,7 @@ def solve_calibrated(
             q = solver.solve(wp, spec, prepared, target)
         except ValueError as exc:
             raise QuantizationError(f"weight {group.weight}: {exc}") from None
-        _check_solver_output(q, (r1 - r0, n_blocks, bs), spec, group.weight)
+        check_solver_output(q, (r1 - r0, n_blocks, bs), spec, group.weight)
         if not np.isfinite(q.scales).all():
             raise QuantizationError(f"weight {group.weight}: the solver returned non-finite scales")
         if zps is not None and q.zero_points is None:
@@ -98,13 +107,7 @@ def solve_calibrated(
         out_scales[r0:r1] = q.scales
         if zps is not None:
             zps[r0:r1] = q.zero_points
-        # what the written model computes with: scales (and float zero points) in the stored dtype
-        as_stored = QuantizedBlocks(q.q, q.scales.astype(stored).astype(np.float32),
-                                    None if q.zero_points is None or q.zero_points.dtype == np.uint8
-                                    else q.zero_points.astype(stored).astype(np.float32))
-        if q.zero_points is not None and q.zero_points.dtype == np.uint8:
-            as_stored.zero_points = q.zero_points
-        deq = dequantize(as_stored, spec.bits).reshape(r1 - r0, kp)[:, :k]
+        deq = computed_weight(q, spec.bits, dtype).reshape(r1 - r0, kp)[:, :k]
         if scales is not None:
             deq /= scales[None, :]
         d = w - deq

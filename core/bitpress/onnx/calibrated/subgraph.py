@@ -9,7 +9,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from bitpress.models.onnx_model import OnnxModel
-from bitpress.onnx.activations import _gather_without_transpose, relocate_tensor, session_for
+from bitpress.onnx.activations import gather_without_transpose, relocate_tensor, session_for
 from bitpress.onnx.calibrated.stages import Stage, node_reads
 from bitpress.onnx.tensors import is_external
 
@@ -61,5 +61,5 @@ def stage_session(
     )
     proto = helper.make_model(g, opset_imports=list(model.proto.opset_import), ir_version=model.proto.ir_version)
     proto.functions.extend(model.proto.functions)
-    _gather_without_transpose(proto.graph)
+    gather_without_transpose(proto.graph)
     return session_for(proto.SerializeToString(), base)

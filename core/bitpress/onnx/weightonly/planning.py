@@ -145,7 +145,7 @@ def plan(model: OnnxModel, opts: WeightOnlyOptions) -> Plan:
     include = NameMatcher(opts.nodes_to_include, what="nodes_to_include")
     exclude = NameMatcher(opts.nodes_to_exclude, what="nodes_to_exclude")
     overrides = NameMatcher(list(opts.overrides), what="overrides key")
-    subgraph_reads = _subgraph_reads(graph)
+    subgraph_reads = subgraph_reads_of(graph)
     graph_outputs = {o.name for o in graph.output}
     skipped: dict[str, str] = {}
     notes: dict[str, str] = {}
@@ -263,7 +263,7 @@ def _unmatched(
     return out
 
 
-def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
+def subgraph_reads_of(graph: onnx.GraphProto) -> set[str]:
     reads: set[str] = set()
     for node in graph.node:
         for attr in node.attribute:

@@ -116,7 +116,7 @@ def solve_group(
             out = solver(w3, spec, imp_c)
         except ValueError as exc:  # solvers refuse what they cannot quantize (NaN weights, ...)
             raise QuantizationError(f"weight {group.weight}: {exc}") from None
-        _check_solver_output(out, w3.shape, spec, group.weight)
+        check_solver_output(out, w3.shape, spec, group.weight)
         # NaN / inf weights make every solver's scales non-finite: one check on the small array
         if not np.isfinite(out.scales).all():
             raise QuantizationError(f"weight {group.weight} holds NaN or infinite values; cannot quantize it")
@@ -152,7 +152,7 @@ def _run_kernel(kernel: PackingKernel, c: Chunk, spec: BlockSpec, name: str) -> 
     return out
 
 
-def _check_solver_output(out: QuantizedBlocks, shape: tuple[int, ...], spec: BlockSpec, name: str) -> None:
+def check_solver_output(out: QuantizedBlocks, shape: tuple[int, ...], spec: BlockSpec, name: str) -> None:
     if out.q.shape != shape or out.scales.shape != shape[:2]:
         raise QuantizationError(
             f"the block solver returned shapes q{out.q.shape} scales{out.scales.shape} for {name}, "
