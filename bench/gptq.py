@@ -54,13 +54,8 @@ SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "av
 
 # -- settings and tools -------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Setting:
-    block_size: int
-    symmetric: bool
-
-    @property
-    def key(self) -> str:
-        return f"b{self.block_size}-{'sym' if self.symmetric else 'asym'}"
+class Setting(benchkit.Variant):
+    """benchkit's block size + symmetry (``key`` ``b128-asym``), labelled for int4 and parsed from keys."""
 
     @property
     def label(self) -> str:
@@ -275,11 +270,14 @@ def evaluate_onnx(row: Row, out: Path, src: Path, text: Path, windows: int) -> f
     return float(ppl.reference)
 
 
-def hf_perplexity(model: Path, eval_windows: Path) -> dict[str, Any]:
+def hf_perplexity(model: Path, eval_windows: Path, bitpress: bool = False) -> dict[str, Any]:
+    """Perplexity by transformers: in llm-compressor's venv, or for a bitpress checkpoint in the project's."""
     import subprocess
 
-    proc = subprocess.run([str(LLMC_VENV / "bin" / "python"), str(BENCH / "peers" / "llmc_gptq.py"), "perplexity",
-                           str(model), "--windows", str(eval_windows)], capture_output=True, text=True,
+    python = VENV_BIN / "python" if bitpress else LLMC_VENV / "bin" / "python"
+    proc = subprocess.run([str(python), str(BENCH / "peers" / "llmc_gptq.py"), "perplexity",
+                           str(model), "--windows", str(eval_windows), *(["--bitpress"] if bitpress else [])],
+                          capture_output=True, text=True,
                           env={**os.environ, **OFFLINE}, timeout=3600, check=False)
     if proc.returncode:
         raise RuntimeError((proc.stderr.strip().splitlines() or ["(no output)"])[-1])
@@ -375,11 +373,17 @@ def checks(rows: list[Row]) -> list[str]:
             r = by.get((key, setting))
             if r and r.status == "ok" and rtn and rtn.change and r.change is not None:
                 out.append(f"{label}: {r.label}: {r.change:+.2%} perplexity (RTN {rtn.change:+.2%}).")
-    hf, llmc = by.get(("bitpress-gptq-hf", _hf_key(rows))), by.get(("llmc-gptq", _hf_key(rows)))
-    if hf and llmc and hf.status == llmc.status == "ok" and hf.wall_s and llmc.wall_s:
-        out.append(f"Hugging Face, {Setting.parse(hf.setting).label}: bitpress gptq_hf is "
-                   f"{llmc.wall_s / hf.wall_s:.1f}x faster than llm-compressor's GPTQ on CPU, perplexity "
-                   f"{_f(hf.perplexity, '.3f')} vs {_f(llmc.perplexity, '.3f')}.")
+    for setting in sorted({r.setting for r in rows if r.kind == "hf"}):
+        hf, llmc = by.get(("bitpress-gptq-hf", setting)), by.get(("llmc-gptq", setting))
+        label = f"Hugging Face, {Setting.parse(setting).label}"
+        if hf and llmc and hf.status == llmc.status == "ok" and hf.wall_s and llmc.wall_s and hf.peak_rss \
+                and llmc.peak_rss:
+            out.append(f"{label}: bitpress gptq_hf is {llmc.wall_s / hf.wall_s:.1f}x faster than llm-compressor's "
+                       f"GPTQ on CPU, peak RSS {hf.peak_rss / 1e6:.0f} MB vs {llmc.peak_rss / 1e6:.0f} MB, perplexity "
+                       f"{_f(hf.perplexity, '.3f')} vs {_f(llmc.perplexity, '.3f')} ({_verdict(hf, llmc)}).")
+        elif hf and llmc:
+            out.append(f"{label}: bitpress gptq_hf {hf.status}, llm-compressor {llmc.status}"
+                       + (f" ({llmc.note[:100]})" if llmc.note else "") + ".")
     return out
 
 
@@ -387,10 +391,6 @@ def _verdict(bp: Row, peer: Row) -> str:
     if bp.perplexity is None or peer.perplexity is None:
         return "not evaluated"
     return "equal or better" if bp.perplexity <= peer.perplexity * 1.001 else "WORSE"
-
-
-def _hf_key(rows: list[Row]) -> str:
-    return next((r.setting for r in rows if r.kind == "hf"), "")
 
 
 def render(meta: dict[str, Any], rows: list[Row], big: dict[str, Any] | None) -> str:
@@ -438,8 +438,10 @@ def render(meta: dict[str, Any], rows: list[Row], big: dict[str, Any] | None) ->
                 "The Hugging Face folder of the same model (float32 safetensors); llm-compressor's `oneshot` with a "
                 "`GPTQModifier` (weight-only int4 groups, `dampening_frac` 0.01, no act-order, its default "
                 "pipeline) on the CPU, `lm_head` (tied to the embedding) left float as its examples do; saved "
-                "compressed (compressed-tensors). Both this and bitpress's `gptq_hf` output are evaluated by "
-                "transformers in llm-compressor's environment on the same token windows as the ONNX rows.", ""]
+                "compressed (compressed-tensors), evaluated by transformers in llm-compressor's environment; "
+                "bitpress's `gptq_hf` checkpoint is read back by `bitpress.hf.checkpoint.load_model` (transformers "
+                "alone would skip its quantized weights) and evaluated by the same code in the project's "
+                "environment; the same token windows as the ONNX rows.", ""]
         if meta.get("hf_note"):
             out += [meta["hf_note"], ""]
         if hf_rows:
@@ -460,11 +462,12 @@ def render(meta: dict[str, Any], rows: list[Row], big: dict[str, Any] | None) ->
         ]
     else:
         out += ["## Memory: bench-4gb", "", "Not run this time: `bench/gptq.py --big` (or `make -C bench gptq "
-                "ARGS=--big`) adds it; it builds a 4.6 GB model and quantizes it with GPTQ, which takes long.", ""]
+                "ARGS=--big`) adds it; it builds a 4.6 GB model (about 20 s, reused afterwards) and quantizes it with "
+                "GPTQ (about 11 minutes on 2 cores when measured).", ""]
     lines = checks(rows)
     if lines:
         out += ["## What the numbers say", "", *[f"- {ln}" for ln in lines], ""]
-    notes = meta.get("notes") or []
+    notes = peer_notes(rows)  # from the rows, so that --render-only and --merge keep them true
     if notes:
         out += ["## Notes on the peers", "", *[f"- {n}" for n in notes], ""]
     out += [
@@ -514,8 +517,10 @@ def peer_notes(rows: list[Row]) -> list[str]:
                      "sessions from the serialized model, so `model.onnx.data` is looked up relative to the working "
                      "directory; its own `save_model_to_file` cannot write the result either (the weights it did not "
                      "quantize still point into the input's data file), so the script loads them and saves with "
-                     "`onnx.save_model`. It collects every MatMul input of the float model (not sequentially) and "
-                     "runs the whole model once per distinct input tensor.")
+                     "`onnx.save_model`. It collects every MatMul input of the float model (not sequentially), runs "
+                     "the whole model once per distinct input tensor, and writes `MatMulNBits` from GPTQ's dequantized "
+                     "output through `quant_tensor`, which derives scales and zero points anew from it "
+                     "(`neural_compressor/weight_only.py`): the integers GPTQ chose are rounded a second time.")
     return notes
 
 
@@ -528,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-settings", default="b128-sym,b64-sym",
                    help="Hugging Face settings (llm-compressor needs a block dividing 576)")
     p.add_argument("--tools", default=",".join(TOOL), help=f"comma-separated subset of {', '.join(TOOL)}")
-    p.add_argument("--big", action="store_true", help="also the bench-4gb memory check (slow)")
+    p.add_argument("--big", action="store_true", help="also the bench-4gb memory check (~11 min on 2 cores)")
     p.add_argument("--big-samples", type=int, default=4)
     p.add_argument("--big-seq-len", type=int, default=64)
     p.add_argument("--out", type=Path, default=DOC)
@@ -590,7 +595,8 @@ def main(argv: list[str] | None = None) -> int:
                 if row.status == "ok":
                     try:  # the output mirrors the input's folder name inside ``out``
                         found = sorted(out.rglob("config.json"), key=lambda f: len(f.parts))
-                        res = hf_perplexity(found[0].parent if found else out, win.eval_windows)
+                        res = hf_perplexity(found[0].parent if found else out, win.eval_windows,
+                                            bitpress=tool.side == "bitpress")
                         row.perplexity, row.bytes = res["perplexity"], folder_bytes(out)
                         row.change = row.perplexity / float_hf["perplexity"] - 1
                         log(f"  perplexity {row.perplexity:.3f} ({row.change:+.2%})")

@@ -4,6 +4,8 @@ Runs in its own environment (``bench/.venv-llmc``: torch, llmcompressor), never 
 
     python peers/llmc_gptq.py quantize HF_DIR OUT_DIR --windows calib.npy [--block-size 128] [--asym]
     python peers/llmc_gptq.py perplexity HF_DIR --windows eval.npy      # prints {"perplexity": ...} as JSON
+    python peers/llmc_gptq.py perplexity HF_DIR --windows eval.npy --bitpress   # a bitpress HF checkpoint, read by
+                                                                      # bitpress.hf.checkpoint (the project's venv)
 
 ``--windows`` is an ``int64 [n, seq]`` array of token windows (the benchmark writes the same windows
 for every tool). Quantization is weight-only int4, groups of ``--block-size`` along the input,
@@ -47,12 +49,20 @@ def quantize(hf: Path, out: Path, windows: Any, block_size: int, symmetric: bool
     tokenizer.save_pretrained(out)
 
 
-def perplexity(hf: Path, windows: Any) -> dict[str, float]:
-    """exp(mean next-token negative log-likelihood) over the windows, each run alone (no cache)."""
+def perplexity(hf: Path, windows: Any, bitpress: bool = False) -> dict[str, float]:
+    """exp(mean next-token negative log-likelihood) over the windows, each run alone (no cache).
+
+    ``bitpress``: the folder is a bitpress checkpoint (``quant_method: bitpress``), which transformers alone
+    would load without its quantized weights; bitpress's loader restores them."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    if bitpress:
+        from bitpress.hf.checkpoint import load_model
+
+        model = load_model(hf)[0]
+    else:
+        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     model.eval()
     nll, count = 0.0, 0
     with torch.no_grad():
@@ -79,12 +89,13 @@ def main() -> int:
     e = sub.add_parser("perplexity")
     e.add_argument("model", type=Path)
     e.add_argument("--windows", type=Path, required=True)
+    e.add_argument("--bitpress", action="store_true", help="load with bitpress.hf.checkpoint.load_model")
     args = p.parse_args()
     windows = np.load(args.windows)
     if args.cmd == "quantize":
         quantize(args.model, args.output, windows, args.block_size, not args.asym)
     else:
-        print(json.dumps(perplexity(args.model, windows)))
+        print(json.dumps(perplexity(args.model, windows, args.bitpress)))
     return 0
 
 
