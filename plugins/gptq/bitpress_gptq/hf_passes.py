@@ -33,10 +33,9 @@ class GptqHfOptions(CalibratedHfOptions):
 
     def validate(self) -> None:
         super().validate()
-        if not 0 < self.damp_percent < 1:
-            raise ValueError(f"damp_percent must be between 0 and 1, got {self.damp_percent}")
-        if not 16 <= self.block_size_solve <= 4096:
-            raise ValueError(f"block_size_solve must be from 16 to 4096, got {self.block_size_solve}")
+        from bitpress_gptq.solver import settings_from
+
+        settings_from(self)
 
 
 class GptqHfPass(CalibratedHfPass):
@@ -55,9 +54,6 @@ class GptqHfPass(CalibratedHfPass):
 
     def method(self) -> Method:
         from bitpress.hf.calibrated import Method
-        from bitpress_gptq.solver import GptqSettings, GptqSolver
+        from bitpress_gptq.solver import GptqSolver, settings_from
 
-        o = self.options
-        settings = GptqSettings(damp_percent=o.damp_percent, block_size_solve=o.block_size_solve,
-                                desc_act=o.desc_act, mse=o.mse)
-        return Method(GptqSolver(settings), self.solver())
+        return Method(GptqSolver(settings_from(self.options)), self.solver())

@@ -16,7 +16,7 @@ from bitpress.options import option
 from bitpress.quant.calibrated import CalibratedSolver
 from bitpress.quant.solver import BlockSolver, BlockSpec, QuantizedBlocks
 from bitpress_gptq import grid
-from bitpress_gptq.solver import GptqSettings, GptqSolver
+from bitpress_gptq.solver import GptqSolver, settings_from
 
 
 @dataclass
@@ -33,10 +33,7 @@ class GptqOptions(CalibratedOptions):
 
     def validate(self) -> None:
         super().validate()
-        if not 0 < self.damp_percent < 1:
-            raise ValueError(f"damp_percent must be between 0 and 1, got {self.damp_percent}")
-        if self.block_size_solve < 16 or self.block_size_solve > 4096:
-            raise ValueError(f"block_size_solve must be from 16 to 4096, got {self.block_size_solve}")
+        settings_from(self)
         for pattern, settings in self.overrides.items():
             if settings.get("bits", self.bits) not in (4, 8):
                 raise ValueError(f"overrides[{pattern}]: gptq writes 4 or 8 bits on ONNX")
@@ -55,9 +52,7 @@ class GptqPass(CalibratedPass):
 
     def calibrated_solver(self, group: Group) -> CalibratedSolver:
         if self._gptq is None:  # one solver: q/k/v (gate/up) share one prepared inverse Hessian
-            o = self.options
-            self._gptq = GptqSolver(GptqSettings(damp_percent=o.damp_percent, block_size_solve=o.block_size_solve,
-                                                 desc_act=o.desc_act, mse=o.mse))
+            self._gptq = GptqSolver(settings_from(self.options))
         return self._gptq
 
     _gptq: GptqSolver | None = None

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +68,17 @@ class GptqSettings:
     @property
     def static(self) -> bool:
         return self.static_groups or self.desc_act
+
+
+def settings_from(options: Any) -> GptqSettings:
+    """:class:`GptqSettings` from a pass's options (``damp_percent``, ``block_size_solve``, ``desc_act``,
+    ``mse``), checked: the ONNX and Hugging Face passes validate and build them the same way."""
+    if not 0 < options.damp_percent < 1:
+        raise ValueError(f"damp_percent must be between 0 and 1, got {options.damp_percent}")
+    if not 16 <= options.block_size_solve <= 4096:
+        raise ValueError(f"block_size_solve must be from 16 to 4096, got {options.block_size_solve}")
+    return GptqSettings(damp_percent=options.damp_percent, block_size_solve=options.block_size_solve,
+                        desc_act=options.desc_act, mse=options.mse)
 
 
 @dataclass(frozen=True)
