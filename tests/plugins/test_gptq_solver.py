@@ -22,6 +22,7 @@ from bitpress.quant.solver import BlockSpec, QuantizedBlocks, dequantize
 
 pytest.importorskip("bitpress_gptq")
 from bitpress_gptq import grid
+from bitpress_gptq import solver as gptq_solver
 from bitpress_gptq.solver import GptqPrepared, GptqSettings, GptqSolver
 
 TARGET = Target("w", ("MatMul_0",))
@@ -425,3 +426,41 @@ def test_read_only_inputs_and_threads() -> None:
         np.testing.assert_array_equal(a.q, b.q)
         np.testing.assert_array_equal(a.scales, b.scales)
     assert solver.needs == frozenset({"hessian"})
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_factor_matches_float64_and_allocates_one_matrix(desc_act: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prepare`` factorizes in float32 in place: U^T U is the damped H^-1 (in processing order) to
+    float32 accuracy, dead channels isolated, and the only [K, K] it allocates is U itself (numpy
+    reports its buffers to tracemalloc; the helpers' chunks made small as they are at large K)."""
+    import tracemalloc
+
+    monkeypatch.setattr(gptq_solver, "CHUNK_ELEMENTS", 16 * K)
+
+    x = activations(23)
+    x[:, 5] = 0  # a dead channel
+    stats = stats_of(x)
+    spec = BlockSpec(4, BS, False)
+    solver = GptqSolver(GptqSettings(desc_act=desc_act))
+    tracemalloc.start()
+    try:
+        prepared = solver.prepare(stats, spec)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    k = K
+    assert peak < 1.25 * 4 * k * k, f"prepare allocated {peak} bytes at K = {k} (U alone is {4 * k * k})"
+    h = stats.hessian.astype(np.float64)
+    diag = h.diagonal().copy()
+    dead = diag == 0
+    assert dead[5] and prepared.dead[5]
+    h[dead, :], h[:, dead] = 0, 0
+    h[dead, dead] = 1
+    h += prepared.damp * np.eye(k)
+    order = np.argsort(-diag, kind="stable") if desc_act else np.arange(k)
+    hinv = np.linalg.inv(h[order][:, order])
+    u = prepared.hinv.astype(np.float64)
+    assert prepared.hinv.flags.c_contiguous and prepared.hinv.dtype == np.float32
+    np.testing.assert_array_equal(np.tril(u, -1), 0)
+    assert np.abs(u.T @ u - hinv).max() < 1e-4 * np.abs(hinv).max()
+    assert np.abs(prepared.hinv.astype(np.float64) - np.linalg.cholesky(hinv).T).max() < 1e-4 * np.abs(u).max()

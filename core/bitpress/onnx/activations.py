@@ -26,7 +26,7 @@ Memory stays about one copy of the weights plus one run's activations:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -162,16 +162,17 @@ def _prune(graph: onnx.GraphProto) -> None:
     log.debug("calibration graph: %d nodes no statistic needs dropped", dropped)
 
 
-def gather_without_transpose(graph: onnx.GraphProto) -> None:
+def gather_without_transpose(graph: onnx.GraphProto, tables: Collection[str] = ()) -> None:
     """``Gather(Transpose(W), ids)`` -> ``Transpose(Gather(W, ids, axis=1))``.
 
     The ONNX Runtime GenAI builder's fp32 exports read a tied embedding as ``Gather`` of the
     transposed LM-head weight; ONNX Runtime folds that ``Transpose`` into a second copy of the
     table (a vocabulary of 262k x 640 floats is 670 MB). Gathering columns of ``W`` and
     transposing the few rows gathered gives the same values without it. Only where the ids'
-    rank is known (a graph input).
+    rank is known (a graph input). ``tables``: graph inputs that are fed constant 2-D tables
+    (qualifying like 2-D initializers).
     """
-    inits = {t.name: t for t in graph.initializer}
+    two_d = {t.name for t in graph.initializer if len(t.dims) == 2} | set(tables)
     ranks = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in graph.input
              if vi.type.tensor_type.HasField("shape")}
     consumers: dict[str, list[onnx.NodeProto]] = {}
@@ -181,9 +182,9 @@ def gather_without_transpose(graph: onnx.GraphProto) -> None:
     rewritten: dict[int, list[onnx.NodeProto]] = {}
     dropped: set[int] = set()
     for node in graph.node:
-        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or node.input[0] not in inits:
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or node.input[0] not in two_d:
             continue
-        if len(inits[node.input[0]].dims) != 2 or list(_ints(node, "perm") or [1, 0]) != [1, 0]:
+        if list(_ints(node, "perm") or [1, 0]) != [1, 0]:
             continue
         readers = consumers.get(node.output[0], [])
         if not readers or any(

@@ -6,7 +6,8 @@ host does the rest: the plan (the same as every weight-only pass: selection, ove
 tables), the calibration data (``--data``), the statistics of every weight's input computed
 stage by stage in ONNX Runtime (:mod:`~bitpress.onnx.calibrated.stages`), the frontier values
 between stages kept within ``memory_mb`` (:mod:`~bitpress.onnx.calibrated.frontier`), the
-solve in slabs of rows (:mod:`~bitpress.onnx.calibrated.solve`), the exact input scaling
+solve in slabs of rows (:mod:`~bitpress.onnx.calibrated.solve`), the dequantized weights later
+stages compute with kept in files (:mod:`~bitpress.onnx.calibrated.substitutes`), the exact input scaling
 (:mod:`~bitpress.onnx.calibrated.scaling`), and the ``MatMulNBits`` / ``GatherBlockQuantized``
 nodes written from the solver's integers as they are. See docs/writing-a-plugin.md.
 """

@@ -27,6 +27,7 @@ from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.calibrated.frontier import FrontierStore
 from bitpress.onnx.calibrated.scaling import InputScaling, apply_scalings
 from bitpress.onnx.calibrated.solve import (
+    ROW_CHUNK_ELEMENTS,
     Solved,
     computed_weight,
     read_rows,
@@ -37,6 +38,7 @@ from bitpress.onnx.calibrated.solve import (
 from bitpress.onnx.calibrated.stages import StagePlan, order_activations, plan_stages
 from bitpress.onnx.calibrated.stats import StatsAccumulator, combine
 from bitpress.onnx.calibrated.subgraph import stage_session
+from bitpress.onnx.calibrated.substitutes import SubstituteStore
 from bitpress.onnx.weightonly import Group, Plan, WeightOnlyOptions, WeightOnlyPass
 from bitpress.onnx.weightonly.passes import log_plan
 from bitpress.onnx.weightonly.report import Report, planned_report
@@ -135,7 +137,7 @@ class CalibratedPass(WeightOnlyPass):
                       for g in p.groups}
         writer = Writer(model, opts.accuracy_level)
         store = FrontierStore(folder, opts.memory_mb << 20)
-        substitutes: dict[str, np.ndarray] = {}
+        substitutes = SubstituteStore(folder / "substitutes") if opts.sequential else None
         scalings: list[InputScaling] = []
         n = len(feeds)
         try:
@@ -148,8 +150,8 @@ class CalibratedPass(WeightOnlyPass):
             # tables no activation reaches (the embedding): rounded first, so every stage sees them quantized
             for g in tables:
                 res = solve_group(model, g, self.solver(), self.float_zero_points(), None, None)
-                if opts.sequential and used_until[g.weight] >= 0:
-                    substitutes[g.weight] = _dequantized(model, g, res)
+                if substitutes is not None and used_until[g.weight] >= 0:
+                    _write_dequantized(model, g, res, substitutes)
                 writer.write(res)
                 report.quantized += 1
                 report.weights += res.packed.shape[0] * res.k
@@ -157,21 +159,24 @@ class CalibratedPass(WeightOnlyPass):
             with context.step(len(splan.stages), "calibrating") as advance:
                 for j, stage in enumerate(splan.stages):
                     t0 = time.perf_counter()
-                    stats = self._observe(model, splan, j, store, n, needs, substitutes if opts.sequential else {})
+                    stats = self._observe(model, splan, j, store, n, needs, substitutes)
                     t1 = time.perf_counter()
                     groups = [g for g in p.groups if done_at[g.weight] == j]
                     self._solve_stage(model, groups, acts_of, stats, store, n, scaler, solvers, writer, report,
-                                      substitutes, scalings, opts.sequential, used_until, j, context)
+                                      substitutes, scalings, used_until, j, context)
                     log.debug("stage %d/%d: %d nodes observed in %.2f s, %d weights solved in %.2f s; frontier "
                               "%.1f MB", j + 1, len(splan.stages), len(stage.nodes), t1 - t0, len(groups),
                               time.perf_counter() - t1, store.resident / 2**20)
-                    for w in [w for w, last in used_until.items() if last <= j and w in substitutes]:
-                        del substitutes[w]
+                    for w in [w for w, last in used_until.items() if substitutes is not None and last <= j
+                              and w in substitutes]:
+                        substitutes.discard(w)
                     store.drop(stage.release, n)
                     release_free_memory()
                     advance(1)
         finally:
             store.close()
+            if substitutes is not None:
+                substitutes.close()
         writer.finish()
         report.stored_bytes = writer.stored_bytes
         apply_scalings(model, scalings, {g.weight for g in p.groups})
@@ -184,21 +189,24 @@ class CalibratedPass(WeightOnlyPass):
 
     def _observe(
         self, model: OnnxModel, splan: StagePlan, j: int, store: FrontierStore, n: int, needs: frozenset[str],
-        substitutes: dict[str, np.ndarray],
+        substitutes: SubstituteStore | None,
     ) -> dict[str, LayerStats]:
         stage = splan.stages[j]
         acc = {a: StatsAccumulator(needs, n) for a in stage.activations}
         keep = [o for o in stage.outputs if o not in stage.release]
         session = None
+        mapped: dict[str, np.ndarray] = {}  # substitutes the stage reads, memory-mapped for its runs
         if stage.nodes:
             example = {name: store.get(0, name) for name in stage.inputs}
-            session = stage_session(model, stage, example, substitutes)
+            specs = {} if substitutes is None else {w: substitutes.spec(w) for w in substitutes.names()}
+            session, fed = stage_session(model, stage, example, specs)
+            mapped = {w: substitutes.open(w) for w in fed} if substitutes is not None else {}
         for s in range(n):
             values: dict[str, np.ndarray] = {}
             if session is not None:
                 feed = {name: np.asarray(store.get(s, name)) for name in stage.inputs}
                 try:
-                    values = dict(zip(stage.outputs, session.run(stage.outputs, feed), strict=True))
+                    values = dict(zip(stage.outputs, session.run(stage.outputs, {**feed, **mapped}), strict=True))
                 except Exception as exc:  # ORT raises its own pybind exception types
                     shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in feed.items())
                     raise QuantizationError(
@@ -212,14 +220,14 @@ class CalibratedPass(WeightOnlyPass):
                 self._dtypes[a] = np.dtype(value.dtype)
                 acc[a].add(value)
             del values
-        del session
+        del session, mapped
         return {a: st.result() for a, st in acc.items()}
 
     def _solve_stage(
         self, model: OnnxModel, groups: list[Group], acts_of: dict[str, list[str]], stats: dict[str, LayerStats],
         store: FrontierStore, n: int, scaler: InputScaler | None, solvers: dict[str, CalibratedSolver],
-        writer: Writer, report: Report, substitutes: dict[str, np.ndarray], scalings: list[InputScaling],
-        sequential: bool, used_until: dict[str, int], j: int, context: PassContext,
+        writer: Writer, report: Report, substitutes: SubstituteStore | None, scalings: list[InputScaling],
+        used_until: dict[str, int], j: int, context: PassContext,
     ) -> None:
         if not groups:
             return
@@ -238,10 +246,9 @@ class CalibratedPass(WeightOnlyPass):
 
         def work(job: tuple[Group, Any, LayerStats, np.ndarray | None]) -> Solved:
             g, prep, st, sc = job
-            # errors are measured on the input the model sees: unscaled statistics, the weight Q / s
-            raw = st if sc is None else st.scaled(1.0 / sc)
-            return solve_calibrated(model, g, solvers[g.weight], prep, raw, spec_of(g, fzp), scales=sc,
-                                    want_substitute=sequential and used_until[g.weight] > j)
+            later = substitutes if substitutes is not None and used_until[g.weight] > j else None
+            return solve_calibrated(model, g, solvers[g.weight], prep, st, spec_of(g, fzp), scales=sc,
+                                    substitutes=later)
 
         workers = max(1, min(int(context.jobs), len(groups)))
         with ThreadPoolExecutor(workers) as pool:
@@ -254,8 +261,6 @@ class CalibratedPass(WeightOnlyPass):
                 report.record(res.group.weight, res.error)
                 if solved.output_error is not None:
                     report.record_output(res.group.weight, solved.output_error)
-                if solved.substitute is not None:
-                    substitutes[res.group.weight] = solved.substitute
 
     def _prepare(
         self, model: OnnxModel, groups: list[Group], acts_of: dict[str, list[str]], stats: dict[str, LayerStats],
@@ -304,20 +309,26 @@ def _stage_of(splan: StagePlan, activation: str) -> int:
     raise QuantizationError(f"internal error: activation {activation} has no stage")
 
 
-def _dequantized(model: OnnxModel, group: Group, res: Any) -> np.ndarray:
-    """A rounded table's values as the quantized model reads them, in its stored orientation and dtype."""
+def _write_dequantized(model: OnnxModel, group: Group, res: Any, substitutes: SubstituteStore) -> None:
+    """A rounded table's values as the quantized model reads them, in its stored orientation and dtype,
+    into ``substitutes`` by slabs of rows."""
     from bitpress.onnx import layout
     from bitpress.onnx.tensors import np_dtype
     from bitpress.quant.solver import QuantizedBlocks
 
-    dtype = np_dtype(model.initializers()[group.weight])
+    tensor = model.initializers()[group.weight]
+    dtype = np_dtype(tensor)
     b = res.blocks
-    q = layout.unpack_along_last(res.packed, group.bits, group.block_size)
-    deq = computed_weight(QuantizedBlocks(q, b.scales, b.zero_points), group.bits, dtype)
-    deq = deq.reshape(deq.shape[0], -1)[:, : res.k]
-    if not group.uses[0].rows_are_table_rows:
-        deq = np.ascontiguousarray(deq.T)
-    return deq.astype(dtype, copy=False)
+    rows = res.packed.shape[0]
+    step = max(1, ROW_CHUNK_ELEMENTS // max(res.k, 1))
+    with substitutes.writer(group.weight, tuple(int(d) for d in tensor.dims), dtype,
+                            transposed=not group.uses[0].rows_are_table_rows) as out:
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            q = layout.unpack_along_last(res.packed[r0:r1], group.bits, group.block_size)
+            zps = None if b.zero_points is None else b.zero_points[r0:r1]
+            deq = computed_weight(QuantizedBlocks(q, b.scales[r0:r1], zps), group.bits, dtype)
+            out.write(r0, deq.reshape(r1 - r0, -1)[:, : res.k])
 
 
 def _feeds(model: OnnxModel, context: PassContext) -> Any:

@@ -1,4 +1,9 @@
-"""Accumulating :class:`~bitpress.quant.calibrated.LayerStats` from activations, one sample at a time."""
+"""Accumulating :class:`~bitpress.quant.calibrated.LayerStats` from activations, one sample at a time.
+
+The Hessian is summed in float32 in place (its upper triangle, by column bands), then mirrored
+and scaled in place by :meth:`StatsAccumulator.result`: one ``[K, K]`` float32 per input, 0.48 GB
+at K = 11008 (a Llama-2-7B ``down_proj``), where a float64 sum and its float32 copy took 1.45 GB.
+"""
 
 from __future__ import annotations
 
@@ -44,8 +49,9 @@ class StatsAccumulator:
             raise QuantizationError("the calibration data gives NaN or infinite activations; check the inputs")
         self.rows += len(x)
         if "hessian" in self.needs:
-            xtx = x.T @ x  # float32 BLAS; summed in float64 over samples
-            self._h = xtx.astype(np.float64) if self._h is None else self._h + xtx
+            if self._h is None:
+                self._h = np.zeros((k, k), np.float32)
+            add_gram_upper(self._h, x)
         if "mean_abs" in self.needs:
             a = np.abs(x).sum(axis=0, dtype=np.float64)
             self._abs = a if self._abs is None else self._abs + a
@@ -60,7 +66,10 @@ class StatsAccumulator:
         if not self.rows:
             raise QuantizationError("the calibration data reached this layer with no tokens")
         n = float(self.rows)
-        h = None if self._h is None else (self._h / n).astype(np.float32)
+        h, self._h = self._h, None  # handed over: no second [K, K]
+        if h is not None:
+            mirror_upper(h)
+            h *= np.float32(1.0 / n)
         sq = None
         if "mean_sq" in self.needs:
             sq = np.diagonal(h).copy() if h is not None else (self._sq / n).astype(np.float32)  # type: ignore[operator]
@@ -75,7 +84,34 @@ class StatsAccumulator:
     @property
     def nbytes(self) -> int:
         k = self.k or 0
-        return (8 * k * k if "hessian" in self.needs else 0) + 16 * k + sum(s.nbytes for s in self._sample)
+        return (4 * k * k if "hessian" in self.needs else 0) + 16 * k + sum(s.nbytes for s in self._sample)
+
+
+#: float32 elements of the temporaries of :func:`add_gram_upper` and :func:`mirror_upper` (16 MB)
+GRAM_CHUNK_ELEMENTS = 1 << 22
+
+
+def add_gram_upper(h: np.ndarray, x: np.ndarray) -> None:
+    """``h += x^T x`` on and above the diagonal only, in place, by column bands (float32 BLAS: half
+    the products of the full ``x^T x`` and no ``[K, K]`` temporary; :func:`mirror_upper` completes it)."""
+    k = h.shape[0]
+    band = max(1, GRAM_CHUNK_ELEMENTS // max(k, 1))
+    for j0 in range(0, k, band):
+        j1 = min(k, j0 + band)
+        h[:j1, j0:j1] += x[:, :j1].T @ x[:, j0:j1]
+
+
+def mirror_upper(h: np.ndarray) -> None:
+    """Copy the upper triangle of the square ``h`` onto its lower one, in place, by bands of rows."""
+    k = h.shape[0]
+    band = max(1, GRAM_CHUNK_ELEMENTS // max(k, 1))
+    for i0 in range(0, k, band):
+        i1 = min(k, i0 + band)
+        # rows i0:i1 left of the diagonal band, then the band's own lower triangle
+        h[i0:i1, :i0] = h[:i0, i0:i1].T
+        blk = h[i0:i1, i0:i1]
+        low = np.tril_indices(i1 - i0, -1)
+        blk[low] = blk.T[low]
 
 
 def combine(parts: list[LayerStats]) -> LayerStats:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.activations import gather_without_transpose, relocate_tensor, session_for
@@ -22,21 +23,28 @@ _ELEM = {np.dtype(k): v for k, v in {
 
 def value_info(name: str, value: np.ndarray) -> onnx.ValueInfoProto:
     """A graph input typed like ``value``, every dimension symbolic (samples may differ in length)."""
-    elem = _ELEM.get(np.dtype(value.dtype))
-    if elem is None and value.dtype == np.dtype("V2"):
+    return helper.make_tensor_value_info(name, _elem(value.dtype), [f"{name}_d{i}" for i in range(value.ndim)])
+
+
+def _elem(dtype: np.dtype) -> int:
+    elem = _ELEM.get(np.dtype(dtype))
+    if elem is None and np.dtype(dtype) == np.dtype("V2"):
         elem = onnx.TensorProto.BFLOAT16
     if elem is None:
-        elem = helper.np_dtype_to_tensor_dtype(value.dtype)
-    return helper.make_tensor_value_info(name, elem, [f"{name}_d{i}" for i in range(value.ndim)])
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    return elem
 
 
 def stage_session(
-    model: OnnxModel, stage: Stage, example: dict[str, np.ndarray], substitutes: dict[str, np.ndarray],
-) -> Any:
-    """An ONNX Runtime session computing ``stage.outputs`` from ``stage.inputs``.
+    model: OnnxModel, stage: Stage, example: dict[str, np.ndarray],
+    substitutes: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+) -> tuple[Any, list[str]]:
+    """An ONNX Runtime session computing ``stage.outputs`` from ``stage.inputs``, and the
+    substitutes it reads.
 
-    ``example``: one sample's frontier values (their types); ``substitutes``: weights to read
-    from memory instead of the model (the dequantized form of weights already quantized).
+    ``example``: one sample's frontier values (their types); ``substitutes``: weights computed
+    with in their dequantized form (``name -> (shape, dtype)`` as stored): the session takes them
+    as extra inputs, to be fed with each run (memory maps: ONNX Runtime reads them in place).
     """
     graph = model.graph
     nodes = [graph.node[i] for i in stage.nodes]
@@ -44,22 +52,27 @@ def stage_session(
     inits = model.initializers()
     base = model.resolver.base_dir.resolve()
     tensors = []
+    fed: list[str] = []
     for name in sorted(reads):
         if name in stage.inputs or name not in inits:
             continue
         if name in substitutes:
-            tensors.append(numpy_helper.from_array(substitutes[name], name))
+            fed.append(name)
             continue
         t = onnx.TensorProto()
         t.CopyFrom(inits[name])
         if is_external(t):
             relocate_tensor(t, model, base)
         tensors.append(t)
+    extra = []
+    for name in fed:
+        shape, dtype = substitutes[name]
+        extra.append(helper.make_tensor_value_info(name, _elem(dtype), list(shape)))
     g = helper.make_graph(
-        nodes, "bitpress_stage", [value_info(n, example[n]) for n in stage.inputs],
+        nodes, "bitpress_stage", [value_info(n, example[n]) for n in stage.inputs] + extra,
         [onnx.ValueInfoProto(name=n) for n in stage.outputs], tensors,
     )
     proto = helper.make_model(g, opset_imports=list(model.proto.opset_import), ir_version=model.proto.ir_version)
     proto.functions.extend(model.proto.functions)
-    gather_without_transpose(proto.graph)
-    return session_for(proto.SerializeToString(), base)
+    gather_without_transpose(proto.graph, tables=[n for n in fed if len(substitutes[n][0]) == 2])
+    return session_for(proto.SerializeToString(), base), fed
