@@ -23,9 +23,11 @@ from bitpress.passes import Pass, PassContext
 @hookimpl
 def bitpress_register_passes(register: Any) -> None:
     # collected by the registry itself (Registry._add_host_passes), before any plugin's
+    from bitpress.hf.passes import HfToGenaiPass
     from bitpress.onnx.qdq_nbits import QdqToNbitsPass
 
     register(QdqToNbitsPass)
+    register(HfToGenaiPass)
 
 
 @hookimpl(trylast=True)
@@ -63,4 +65,8 @@ def bitpress_save_model(model: ModelHandle, destination: Path, options: dict[str
 
     if isinstance(model, HfOnnxExport):
         return model.save(destination, **options)
+    from bitpress.hf.genai_export import GenaiPackage
+
+    if isinstance(model, GenaiPackage):
+        return model.save(destination)
     return None

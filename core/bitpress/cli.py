@@ -165,6 +165,24 @@ def _parser() -> argparse.ArgumentParser:
                         "`bitpress run FILE` repeats the run")
     q.set_defaults(func=_cmd_quantize)
 
+    x = sub.add_parser("export", help="a Hugging Face model (float or quantized) to ONNX or an ONNX Runtime "
+                                      "GenAI package")
+    x.add_argument("model", type=Path, help="a Hugging Face folder (float, or written by a bitpress *_hf pass)")
+    x.add_argument("-o", "--output", required=True, type=Path, help="output folder (mirrors the input's name)")
+    x.add_argument("--runtime", choices=("genai", "onnx"), default="genai",
+                   help="genai: a GenAI package by the builder (KV cache, genai_config.json); onnx: bitpress's "
+                        "own graph without KV cache (hf_to_onnx)")
+    x.add_argument("--exporter", choices=("builder",), default="builder",
+                   help="genai: python -m onnxruntime_genai.models.builder")
+    x.add_argument("--dtype", choices=("auto", "f32", "f16", "bf16"), default="auto",
+                   help="genai, float checkpoints: weights and activations (auto: f32)")
+    x.add_argument("--ep", default="cpu", help="genai: execution provider (cpu, cuda, dml, webgpu, ...)")
+    x.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the export pass (see `passes show hf_to_genai`); repeatable")
+    x.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    x.add_argument("--json", action="store_true", help="print the result as JSON")
+    x.set_defaults(func=_cmd_export)
+
     r = sub.add_parser("run", help="run a workflow config (JSON or YAML)")
     r.add_argument("config", type=Path)
     _add_run_args(r)
@@ -420,6 +438,38 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     )
     _report(result, args.json, args.show_weights)
     return EXIT_OK
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from bitpress.api import run
+
+    step: dict[str, Any] = {"type": "hf_to_onnx"}
+    if args.runtime == "genai":
+        step = {"type": "hf_to_genai", "exporter": args.exporter, "dtype": args.dtype, "ep": args.ep}
+    elif args.dtype != "auto" or args.ep != "cpu":
+        raise UsageError("--dtype and --ep apply to --runtime genai")
+    step.update(_typed_options(step["type"], _parse_kv(args.option)))
+    result = run({"input": str(args.model), "output": str(args.output), "passes": [step]},
+                 overwrite=args.overwrite or None, progress=_progress)
+    _report(result, args.json)
+    return EXIT_OK
+
+
+def _typed_options(pass_name: str, values: dict[str, str]) -> dict[str, Any]:
+    """``--option`` strings parsed as the pass's option types (as ``quantize --option`` does)."""
+    from typing import get_type_hints
+
+    from bitpress.options import coerce
+    from bitpress.plugins import get_registry
+
+    hints = get_type_hints(get_registry().get_pass(pass_name).Options)
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        try:
+            out[key] = coerce(value, hints[key]) if key in hints else value  # unknown: the pass says so
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"--option {key}: {exc}") from None
+    return out
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

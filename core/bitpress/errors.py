@@ -66,6 +66,10 @@ class QuantizationError(BitpressError):
     """A pass could not quantize the model as asked."""
 
 
+class ExportError(BitpressError):
+    """A model cannot be exported as asked, or an exporter (the GenAI builder) failed on it."""
+
+
 def summarize_names(names: Iterable[str], limit: int = 3) -> str:
     """``"a, b, c and 44 more"``: the first ``limit`` names in the order given (repeats dropped)."""
     unique = list(dict.fromkeys(names))

@@ -95,3 +95,67 @@ class HfToOnnxPass(Pass):
         model.allow(trust_remote_code=o.trust_remote_code, allow_pickle=o.allow_pickle)
         workdir = context.workdir if context.workdir is not None else Path(tempfile.mkdtemp(prefix="bitpress-export-"))
         return export(model, Path(workdir) / "export", split_embedding=o.split_embedding, opset=o.opset)
+
+
+@dataclass
+class HfToGenaiOptions:
+    exporter: str = option("builder", "the exporter: builder (python -m onnxruntime_genai.models.builder)")
+    dtype: str = option("auto", "float checkpoints: f32, f16 or bf16 weights and activations (auto: f32); a "
+                        "quantized checkpoint keeps its integers (the builder's int4 path)")
+    ep: str = option("cpu", "execution provider the package is built for: cpu, cuda, dml, webgpu, ...")
+    accuracy_level: int = option(-1, "MatMulNBits accuracy_level (-1: the builder's default, 4 on cpu: int8 "
+                                 "activations; 1: float32 math)")
+    builder_options: dict = option({}, "more --extra_options KEY=VALUE for the builder (see its --help)")
+    check: bool = option(True, "check the package: ONNX checker, and on cpu an ONNX Runtime session and one "
+                         "onnxruntime_genai generation step")
+    trust_remote_code: bool = option(False, "allow the model folder's own Python code (auto_map) to run when loading")
+    allow_pickle: bool = option(False, "allow loading .bin/.pt pickled weights (trusted sources only)")
+
+    def validate(self) -> None:
+        from bitpress.hf.genai_export import EPS, FLOAT_PRECISION
+
+        if self.exporter != "builder":
+            raise ValueError(f"exporter must be builder (mobius is not wired yet), got {self.exporter!r}")
+        if self.dtype != "auto" and self.dtype not in FLOAT_PRECISION:
+            raise ValueError(f"dtype must be auto, {', '.join(FLOAT_PRECISION)}, got {self.dtype!r}")
+        if self.ep not in EPS:
+            raise ValueError(f"ep must be one of {', '.join(EPS)}, got {self.ep!r}")
+        if self.accuracy_level not in (-1, 0, 1, 2, 3, 4):
+            raise ValueError(f"accuracy_level must be -1 or 0..4, got {self.accuracy_level}")
+        if not isinstance(self.builder_options, dict) or not all(
+            isinstance(k, str) and isinstance(v, str | int | float | bool) for k, v in self.builder_options.items()
+        ):
+            raise ValueError("builder_options must map option names to plain values")
+
+
+class HfToGenaiPass(Pass):
+    """Build an ONNX Runtime GenAI package (KV cache, genai_config.json, tokenizer) with the real builder;
+    a bitpress-quantized checkpoint keeps its exact integers (olive format)."""
+
+    name = "hf_to_genai"
+    algorithms = ("genai-export",)
+    precisions = ()
+    model_kinds: ClassVar[tuple[str, ...]] = ("hf",)
+    output_kind: ClassVar[str | None] = "genai-package"
+    summary = "export a Hugging Face model (float or bitpress-quantized) to an ONNX Runtime GenAI package"
+    Options: ClassVar[type] = HfToGenaiOptions
+    requires: ClassVar[tuple[str, ...]] = (*HF_REQUIRES, "onnxruntime_genai", "onnx_ir")
+    install_hint: ClassVar[str | None] = 'pip install "torch==2.13.0" "bitpress[genai]"'
+
+    def run(self, model: Any, context: PassContext) -> Any:
+        import tempfile
+        from pathlib import Path
+
+        from bitpress.hf.genai_export import build_genai
+
+        if not isinstance(model, HfModel):
+            raise QuantizationError(f"{self.name} exports Hugging Face models, got {model.kind}")
+        o = self.options
+        model.allow(trust_remote_code=o.trust_remote_code, allow_pickle=o.allow_pickle)
+        workdir = context.workdir if context.workdir is not None else Path(tempfile.mkdtemp(prefix="bitpress-genai-"))
+        folder = Path(workdir) / "genai"
+        folder.mkdir(parents=True, exist_ok=True)
+        return build_genai(model, folder, dtype=o.dtype, ep=o.ep,
+                           accuracy_level=None if o.accuracy_level < 0 else o.accuracy_level,
+                           extra={k: str(v).lower() if isinstance(v, bool) else str(v)
+                                  for k, v in o.builder_options.items()}, check=o.check)

@@ -20,7 +20,7 @@ from bitpress.errors import OutputError, ValidationError
 from bitpress.memory import release_free_memory
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.graph import ensure_opsets
-from bitpress.onnx.tensors import external_ref, is_external, iter_tensors, tensor_nbytes
+from bitpress.onnx.tensors import external_ref, is_external, iter_graphs, iter_tensors, tensor_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +287,36 @@ def check_saved(path: Path, reference: Path | None = None, graph: onnx.ModelProt
     return note
 
 
+def check_with_ort_ops(path: Path) -> None:
+    """``onnx.checker.check_model`` on ``path``, where ONNX Runtime's own ops in the default domain
+    (``SimplifiedLayerNormalization``: the GenAI builder writes it there) are taken as the custom
+    ops they are and everything else is checked as usual. Raises the checker's error."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    proto = onnx.load(str(path), load_external_data=False)
+    ort_default = {s.name for s in ort_state.get_all_operator_schema() if s.domain in ("", "ai.onnx")}
+    relabeled = 0
+    for g in iter_graphs(proto.graph):
+        for node in g.node:
+            if node.domain in ("", "ai.onnx") and node.op_type in ort_default and not onnx.defs.has(node.op_type):
+                node.domain = _ORT_DEFAULT_DOMAIN
+                relabeled += 1
+    if not relabeled:
+        onnx.checker.check_model(str(path))
+        return
+    proto.opset_import.append(onnx.helper.make_opsetid(_ORT_DEFAULT_DOMAIN, 1))
+    probe = path.with_name(f".{path.name}.check-{os.getpid()}.onnx")  # beside it: external data resolves
+    try:
+        probe.write_bytes(proto.SerializeToString())
+        onnx.checker.check_model(str(probe))
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+#: the domain ONNX Runtime's default-domain ops are moved to for the checker (it skips unknown domains)
+_ORT_DEFAULT_DOMAIN = "bitpress.onnxruntime_default_domain"
+
+
 def _passes_checker(path: Path) -> bool:
     try:
         onnx.checker.check_model(str(path))
@@ -312,4 +342,4 @@ def open_session(path: Path):
         raise ValidationError(f"ONNX Runtime cannot open the saved model {path.name}: {first}") from None
 
 
-__all__ = ["SaveOptions", "check_saved", "external_ref", "open_session", "save_onnx"]
+__all__ = ["SaveOptions", "check_saved", "check_with_ort_ops", "external_ref", "open_session", "save_onnx"]

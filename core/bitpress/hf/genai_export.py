@@ -1,0 +1,273 @@
+"""A Hugging Face model (float or bitpress-quantized) to an ONNX Runtime GenAI package, by the real builder.
+
+The ONNX Runtime GenAI model builder (``python -m onnxruntime_genai.models.builder``, the
+``genai`` extra) writes what deployment needs: a KV cache, ``GroupQueryAttention``,
+``genai_config.json``, the tokenizer and processor files. bitpress hands it a folder staged in
+the work folder, never the input itself (the builder reads whatever a folder holds):
+
+* a float model: its float weights, config and companion files;
+* a quantized model: an olive-format checkpoint (:mod:`bitpress.hf.olive`), whose integers,
+  scales and zero points the builder copies into ``MatMulNBits`` unchanged, with the builder
+  options that keep it faithful (float LM heads left float, ``fuse_qkv=false`` where q/k/v
+  differ).
+
+Afterwards: the builder's tied quantized embedding (``GatherBlockQuantized`` reading the LM
+head's tensors) is given the 2-D scales and zero points ONNX Runtime requires (the builder
+passes the 1-D ones of ``MatMulNBits``; the table stays one), and the package is checked: the
+ONNX checker, an ONNX Runtime session and one ``onnxruntime_genai`` generation step (the
+last two on ``cpu`` packages only: other EPs need their hardware).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from bitpress.errors import ExportError, ValidationError
+from bitpress.models.base import ModelHandle
+
+if TYPE_CHECKING:
+    from bitpress.models.hf_model import HfModel
+
+log = logging.getLogger(__name__)
+
+GENAI_INSTALL_HINT = 'pip install "torch==2.13.0" "bitpress[genai]"'
+#: --dtype -> the builder's precision, for float checkpoints
+FLOAT_PRECISION = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}
+EPS = ("cpu", "cuda", "dml", "webgpu", "qnn", "openvino", "trt-rtx", "nvtensorrtrtx")
+BUILD_TIMEOUT_S = 3600
+
+
+class GenaiPackage(ModelHandle):
+    """A built GenAI folder in the work folder; :meth:`save` copies it."""
+
+    kind: ClassVar[str] = "genai-package"
+
+    def __init__(self, source: Path, folder: Path) -> None:
+        super().__init__(source)
+        self.folder = folder
+
+    def save(self, dest: Path) -> list[Path]:
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        files = []
+        for f in sorted(self.folder.rglob("*")):
+            if f.is_file() and not f.is_symlink():
+                target = dest / f.relative_to(self.folder)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, target)
+                files.append(target)
+        return files
+
+
+def builder_missing() -> str | None:
+    """Why the builder cannot run here (None when it can)."""
+    needed = ("onnxruntime_genai", "onnx_ir", "transformers", "torch")
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"the ONNX Runtime GenAI builder needs {', '.join(missing)}: {GENAI_INSTALL_HINT}"
+    if importlib.util.find_spec("onnxruntime_genai.models.builder") is None:
+        return f"this onnxruntime_genai has no model builder: {GENAI_INSTALL_HINT}"
+    return None
+
+
+def build_genai(
+    model: HfModel, workdir: Path, *, dtype: str = "auto", ep: str = "cpu", accuracy_level: int | None = None,
+    extra: dict[str, str] | None = None, check: bool = True, timeout: float = BUILD_TIMEOUT_S,
+) -> GenaiPackage:
+    """Build ``model`` into a GenAI package in ``workdir`` (see the module's docstring)."""
+    from bitpress.hf.olive import write_olive
+
+    reason = builder_missing()
+    if reason:
+        raise ExportError(reason)
+    if ep not in EPS:
+        raise ExportError(f"unknown execution provider {ep!r}; known: {', '.join(EPS)}")
+    if dtype != "auto" and dtype not in FLOAT_PRECISION:
+        raise ExportError(f"unknown dtype {dtype!r}; use auto, {', '.join(FLOAT_PRECISION)}")
+    workdir = Path(workdir)
+    staged, out, cache = workdir / "checkpoint", workdir / "package", workdir / "builder-cache"
+    for d in (staged, out):
+        shutil.rmtree(d, ignore_errors=True)
+    module = model.torch_model()
+    ckpt = write_olive(module, staged, source=model.source)
+    if ckpt.quantized:
+        if dtype != "auto":
+            raise ExportError(
+                f"dtype {dtype} applies to float checkpoints: a quantized one is built by the builder's int4 path "
+                "(activations fp32 on cpu, fp16 on cuda); drop --dtype, or export the float model"
+            )
+        precision = "int4"  # pre-quantized modules keep their own bits; the rest is excluded (kept float)
+    else:
+        precision = FLOAT_PRECISION.get(dtype, "fp32")
+    options = {**ckpt.builder_options, **(extra or {})}
+    if accuracy_level is not None:
+        options["accuracy_level"] = str(int(accuracy_level))
+    argv = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(staged), "-o", str(out),
+            "-p", precision, "-e", ep, "-c", str(cache)]
+    if options:
+        argv += ["--extra_options", *(f"{k}={v}" for k, v in options.items())]
+    log.info("GenAI builder: %s", " ".join(argv[3:]))
+    logfile = workdir / "builder.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    try:
+        with logfile.open("w") as fh:
+            proc = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=timeout, check=False,
+                                  cwd=workdir)
+    except subprocess.TimeoutExpired:
+        _log_tail(logfile)
+        raise ExportError(f"the GenAI builder did not finish in {timeout:.0f} s (-v shows its output)") from None
+    if proc.returncode != 0:
+        shutil.rmtree(out, ignore_errors=True)
+        _log_tail(logfile)  # the log is in the run's private folder, removed with it
+        raise ExportError(f"the GenAI builder failed on {model.source.name}: {builder_reason(logfile)} "
+                          "(-v shows its output)")
+    _log_tail(logfile, lines=10)
+    fixed = fix_tied_gather_scales(out)
+    if fixed:
+        log.info("tied embedding: %d GatherBlockQuantized inputs reshaped to 2-D (the table stays shared)", fixed)
+    if check:
+        check_package(out, ep)
+    shutil.rmtree(staged, ignore_errors=True)
+    return GenaiPackage(model.source, out)
+
+
+def _log_tail(logfile: Path, lines: int = 60) -> None:
+    text = logfile.read_text(errors="replace").splitlines() if logfile.exists() else []
+    for line in text[-lines:]:
+        log.debug("builder: %s", line)
+
+
+def builder_reason(logfile: Path) -> str:
+    """The builder's own reason for failing: the last error line of its output."""
+    lines = [ln.strip() for ln in logfile.read_text(errors="replace").splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if re.search(r"(Error|Exception)\b|error:", ln) and not ln.startswith("File "):
+            return ln[:500]
+    return lines[-1][:500] if lines else "no output"
+
+
+def _decoder_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*.onnx") if p.is_file())
+
+
+def fix_tied_gather_scales(folder: Path) -> int:
+    """Reshape the 1-D scales / zero points a ``GatherBlockQuantized`` shares with ``MatMulNBits`` to
+    the 2-D ``[rows, blocks]`` / ``[rows, packed]`` it requires; returns the inputs reshaped."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    count = 0
+    for path in _decoder_files(folder):
+        proto = onnx.load(str(path), load_external_data=False)
+        g = proto.graph
+        inits = {t.name: t for t in g.initializer}
+        by_scales = {}
+        for n in g.node:
+            if n.op_type == "MatMulNBits" and len(n.input) > 2:
+                by_scales[n.input[2]] = n
+        changed: list[tuple[int, list[onnx.NodeProto]]] = []
+        for i, n in enumerate(g.node):
+            if n.op_type != "GatherBlockQuantized" or len(n.input) < 3:
+                continue
+            mm = by_scales.get(n.input[2])
+            t = inits.get(n.input[2])
+            if mm is None or t is None or len(t.dims) != 1:
+                continue
+            a = {x.name: helper.get_attribute_value(x) for x in mm.attribute}
+            rows, blocks = int(a["N"]), -(-int(a["K"]) // int(a["block_size"]))
+            shapes = {2: [rows, blocks], 3: [rows, -(-blocks * int(a["bits"]) // 8)]}
+            pre = []
+            for idx, shape in shapes.items():
+                if len(n.input) <= idx or not n.input[idx]:
+                    continue
+                src = n.input[idx]
+                shape_name = f"{src}/bitpress_2d_shape"
+                out_name = f"{src}/bitpress_2d"
+                if shape_name not in inits:
+                    sh = numpy_helper.from_array(np.array(shape, np.int64), shape_name)
+                    g.initializer.append(sh)
+                    inits[shape_name] = sh
+                pre.append(helper.make_node("Reshape", [src, shape_name], [out_name],
+                                            name=f"{n.name}/bitpress_2d_{idx}"))
+                n.input[idx] = out_name
+                count += 1
+            changed.append((i, pre))
+        if not changed:
+            continue
+        nodes = list(g.node)
+        for i, pre in reversed(changed):
+            nodes[i:i] = pre
+        del g.node[:]
+        g.node.extend(nodes)
+        onnx.save(proto, str(path))  # external data untouched: the tensors still point at their file
+    return count
+
+
+def check_package(folder: Path, ep: str) -> None:
+    """The ONNX checker on every graph; on ``cpu``, an ONNX Runtime session and one generation step."""
+    from bitpress.models.package import read_genai_config
+    from bitpress.onnx.save import check_with_ort_ops
+
+    if read_genai_config(folder) is None:
+        raise ValidationError(f"the builder wrote no genai_config.json in {folder}")
+    files = _decoder_files(folder)
+    if not files:
+        raise ValidationError(f"the builder wrote no .onnx file in {folder}")
+    for path in files:
+        try:
+            check_with_ort_ops(path)
+        except Exception as exc:  # onnx raises its own ValidationError and others
+            raise ValidationError(f"the built {path.name} fails the ONNX checker: {str(exc).strip()[:300]}") from None
+    if ep != "cpu":
+        log.info("package for %s: checked with the ONNX checker (a session and a generation need that EP)", ep)
+        return
+    import onnxruntime as ort
+
+    for path in files:
+        try:
+            ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        except Exception as exc:  # ORT raises its own pybind exception types
+            raise ValidationError(f"ONNX Runtime cannot load the built {path.name}: "
+                                  f"{(str(exc).strip().splitlines() or ['?'])[0][:300]}") from None
+    generate_step(folder)
+
+
+def generate_step(folder: Path, tokens: int = 1) -> list[int]:
+    """``onnxruntime_genai`` loads ``folder`` and generates ``tokens`` tokens after a 3-token prompt."""
+    import onnxruntime_genai as og
+
+    try:
+        m = og.Model(str(folder))
+        vocab = _vocab_size(folder)
+        prompt = [i % vocab for i in (1, 2, 3)]
+        params = og.GeneratorParams(m)
+        params.set_search_options(max_length=len(prompt) + tokens, do_sample=False)
+        gen = og.Generator(m, params)
+        gen.append_tokens(np.array([prompt], dtype=np.int32))
+        out: list[int] = []
+        while not gen.is_done() and len(out) < tokens:
+            gen.generate_next_token()
+            out.append(int(gen.get_next_tokens()[0]))
+    except Exception as exc:  # onnxruntime_genai raises plain RuntimeErrors
+        raise ValidationError(f"onnxruntime_genai cannot generate with {folder.name}: "
+                              f"{(str(exc).strip().splitlines() or ['?'])[0][:300]}") from None
+    if not out or not all(0 <= t < vocab for t in out):
+        raise ValidationError(f"onnxruntime_genai generated {out} with {folder.name} (vocabulary of {vocab})")
+    return out
+
+
+def _vocab_size(folder: Path) -> int:
+    from bitpress.models.package import read_genai_config
+
+    cfg: dict[str, Any] = read_genai_config(folder) or {}
+    return int((cfg.get("model") or {}).get("vocab_size") or 2)

@@ -1,0 +1,208 @@
+"""hf_to_genai: tiny Llamas through the real ONNX Runtime GenAI builder; quantized ones keep their integers."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+pytest.importorskip("onnxruntime_genai.models.builder")
+pytest.importorskip("onnx_ir")
+
+from bitpress.errors import ExportError
+from bitpress.hf.olive import pack_zero_points
+
+
+def _tokenized_folder(model: Any, folder: Path) -> Path:
+    """save_pretrained plus a real (WordLevel) tokenizer and a generation config: what the builder needs."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    model.save_pretrained(folder)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, 256)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="<pad>").save_pretrained(folder)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, do_sample=False).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = {}
+    root = tmp_path_factory.mktemp("genai")
+    for tied in (False, True):
+        torch.manual_seed(3 + tied)
+        m = LlamaForCausalLM(LlamaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tied, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0)).eval()
+        with torch.no_grad():  # weights large enough that rounding differences show in the logits
+            for p in m.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, 0.1)
+        out["tied" if tied else "untied"] = _tokenized_folder(m, root / ("tied" if tied else "untied"))
+    return out
+
+
+def _run(passes: list[dict[str, Any]], src: Path, out: Path) -> Path:
+    import bitpress
+
+    bitpress.run({"input": str(src), "output": str(out), "passes": passes})
+    return out / src.name  # a folder output mirrors the input's name
+
+
+def _matmuls(folder: Path) -> dict[str, dict[str, np.ndarray]]:
+    m = onnx.load(str(folder / "model.onnx"))
+    inits = {t.name: t for t in m.graph.initializer}
+    out = {}
+    for n in m.graph.node:
+        if n.op_type == "MatMulNBits":
+            out[n.name] = {k: numpy_helper.to_array(inits[i], base_dir=str(folder)) for k, i in
+                           zip(("b", "scales", "zp"), n.input[1:4], strict=False) if i}
+    return out
+
+
+def _modules(node: str) -> list[str]:
+    """The checkpoint's modules behind a builder node name (q/k/v fused into one)."""
+    if node.startswith("/lm_head/"):
+        return ["lm_head"]
+    layer, block, proj = re.match(r"/model/layers\.(\d+)/(attn|mlp)/(\w+)/MatMulNBits", node).groups()  # type: ignore[union-attr]
+    prefix = f"model.layers.{layer}." + ("self_attn" if block == "attn" else "mlp")
+    if proj == "qkv_proj":
+        return [f"{prefix}.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+    return [f"{prefix}.{proj}"]
+
+
+def _checkpoint(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    from safetensors.numpy import load_file
+
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    return qc, load_file(str(folder / "model.safetensors"))
+
+
+def _assert_same_integers(ckpt: Path, package: Path) -> int:
+    qc, t = _checkpoint(ckpt)
+    tied = {g[1]: g[0] for g in qc.get("tied", []) if len(g) > 1}
+    checked = 0
+    for node, got in _matmuls(package).items():
+        parts = []
+        for mod in _modules(node):
+            name = tied.get(f"{mod}.weight", f"{mod}.weight")
+            spec = qc["modules"][name]
+            rows = int(np.prod(spec["shape"][:-1]))
+            nb = -(-spec["shape"][-1] // spec["group_size"])
+            zp = t.get(f"{name}_qzeros")
+            zp = np.full((rows, nb), 2 ** (spec["bits"] - 1), np.uint8) if zp is None else zp.reshape(rows, nb)
+            parts.append((t[f"{name}_qweight"].reshape(rows, nb, -1), t[f"{name}_scales"].reshape(rows, nb),
+                          pack_zero_points(zp, spec["bits"])))
+        b, s, z = (np.concatenate(x) for x in zip(*parts, strict=True))
+        np.testing.assert_array_equal(got["b"], b, err_msg=node)
+        np.testing.assert_array_equal(got["scales"].reshape(s.shape), s, err_msg=node)
+        np.testing.assert_array_equal(got["zp"].reshape(z.shape), z, err_msg=node)
+        checked += 1
+    return checked
+
+
+def _logits_og(package: Path, prompt: list[int]) -> np.ndarray:
+    import onnxruntime_genai as og
+
+    m = og.Model(str(package))
+    params = og.GeneratorParams(m)
+    params.set_search_options(max_length=len(prompt) + 1)
+    gen = og.Generator(m, params)
+    gen.append_tokens(np.array([prompt], dtype=np.int32))
+    return np.asarray(gen.get_output("logits"))[0, -1]
+
+
+def _logits_torch(folder: Path, prompt: list[int]) -> np.ndarray:
+    import torch
+
+    from bitpress.hf.checkpoint import load_model
+
+    model, _ = load_model(folder)
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0, -1].numpy()
+
+
+@pytest.mark.parametrize(("which", "sym", "lm_head"), [("untied", False, False), ("untied", True, True),
+                                                        ("tied", False, True), ("tied", True, False)])
+def test_quantized_checkpoint_keeps_its_integers(tiny: dict[str, Path], tmp_path: Path, which: str, sym: bool,
+                                                 lm_head: bool) -> None:
+    """rtn_hf int4 -> checkpoint -> hf_to_genai: every MatMulNBits holds the checkpoint's integers, scales and
+    zero points; the package generates, and its logits are the quantized PyTorch model's (float32 math)."""
+    rtn = {"type": "rtn_hf", "bits": 4, "group_size": 32, "sym": sym, "lm_head": lm_head,
+           "embeds": lm_head and which == "tied"}  # the tied table, quantized once for both
+    ckpt = _run([rtn], tiny[which], tmp_path / "ckpt")
+    package = _run([{"type": "hf_to_genai", "accuracy_level": 1}], ckpt, tmp_path / "pkg")
+    assert (package / "genai_config.json").exists() and (package / "tokenizer.json").exists()
+    n = _assert_same_integers(ckpt, package)
+    assert n == 2 * 5 + lm_head  # fused qkv, o, gate, up, down per layer (+ the head)
+    graph = onnx.load(str(package / "model.onnx"), load_external_data=False).graph
+    ops = {nd.op_type: nd for nd in graph.node}
+    float_tables = [t.name for t in graph.initializer if sorted(t.dims) == [64, 256]]
+    if which == "tied" and lm_head:  # one table: the head's bytes, which GatherBlockQuantized reads reshaped
+        assert not float_tables, float_tables
+        reshape = next(nd for nd in graph.node if nd.output[0] == ops["GatherBlockQuantized"].input[0])
+        assert reshape.op_type == "Reshape" and reshape.input[0] == "lm_head.MatMulNBits.qweight"
+    elif which == "tied":  # one float table, read by the Gather and the head's MatMul
+        assert len(float_tables) == 1 and "GatherBlockQuantized" not in ops
+    else:  # a float head stays float (the builder would round it itself)
+        assert len(float_tables) == 2 - lm_head
+    prompt = [5, 17, 42, 9]
+    np.testing.assert_allclose(_logits_og(package, prompt), _logits_torch(ckpt, prompt), atol=2e-4, rtol=1e-4)
+
+
+def test_mixed_bits_in_qkv_unfuse_them(tiny: dict[str, Path], tmp_path: Path) -> None:
+    """Layer 0's k_proj at 8 bits beside 4-bit q/v: the builder's fused q/k/v would write a broken graph
+    (layer 1 reading layer 0's keys), so the checkpoint asks for fuse_qkv=false; 8-bit weights and other
+    group sizes keep their integers too (olive overrides)."""
+    rtn = {"type": "rtn_hf", "bits": 4, "group_size": 32, "sym": False,
+           "overrides": {"re:model\\.layers\\.0\\.self_attn\\.k_proj": {"bits": 8},
+                         "re:.*\\.down_proj": {"bits": 8, "group_size": 64}}}
+    ckpt = _run([rtn], tiny["untied"], tmp_path / "ckpt")
+    package = _run([{"type": "hf_to_genai", "accuracy_level": 1}], ckpt, tmp_path / "pkg")
+    assert _assert_same_integers(ckpt, package) == 2 * 7
+    bits = {n.name: int(a.i) for n in onnx.load(str(package / "model.onnx"), load_external_data=False).graph.node
+            if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
+    assert {n for n, b in bits.items() if b == 8} == {"/model/layers.0/attn/k_proj/MatMulNBits",
+                                                      "/model/layers.0/mlp/down_proj/MatMulNBits",
+                                                      "/model/layers.1/mlp/down_proj/MatMulNBits"}
+    prompt = [7, 3, 99]
+    np.testing.assert_allclose(_logits_og(package, prompt), _logits_torch(ckpt, prompt), atol=2e-4, rtol=1e-4)
+
+
+def test_float_checkpoint_builds_at_each_dtype(tiny: dict[str, Path], tmp_path: Path) -> None:
+    pkg = _run([{"type": "hf_to_genai", "dtype": "f16"}], tiny["tied"], tmp_path / "pkg")
+    g = onnx.load(str(pkg / "model.onnx"), load_external_data=False)
+    assert not any(n.op_type == "MatMulNBits" for n in g.graph.node)
+    assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in g.graph.initializer)
+
+
+@pytest.mark.parametrize(("rtn", "match"), [
+    ({"type": "kquant_hf", "bits": 4, "group_size": 32}, "float zero points"),
+    ({"type": "rtn_hf", "bits": 4, "group_size": 32, "modules_to_not_convert": ["down_proj"]}, "every decoder linear"),
+])
+def test_unfaithful_checkpoints_are_refused_before_the_build(tiny: dict[str, Path], tmp_path: Path,
+                                                            rtn: dict[str, Any], match: str) -> None:
+    ckpt = _run([rtn], tiny["untied"], tmp_path / "ckpt")
+    with pytest.raises(ExportError, match=match):
+        _run([{"type": "hf_to_genai"}], ckpt, tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists() or not any((tmp_path / "pkg").iterdir())
+
+
+def test_builder_failure_is_one_line_with_its_reason(tiny: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"the GenAI builder failed on untied: ValueError: shared_embeddings=true"):
+        _run([{"type": "hf_to_genai", "builder_options": {"shared_embeddings": True}}], tiny["untied"],
+             tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists() or not any((tmp_path / "pkg").iterdir())
