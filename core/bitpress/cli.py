@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bitpress import __version__
-from bitpress.errors import BitpressError, Interrupted, UsageError
+from bitpress.errors import BitpressError, Interrupted, UsageError, ValidationError
 from bitpress.interrupts import Caught, handle_signals
 from bitpress.options import describe
 
@@ -176,12 +176,25 @@ def _parser() -> argparse.ArgumentParser:
                    help="genai: python -m onnxruntime_genai.models.builder")
     x.add_argument("--dtype", choices=("auto", "f32", "f16", "bf16"), default="auto",
                    help="genai, float checkpoints: weights and activations (auto: f32)")
-    x.add_argument("--ep", default="cpu", help="genai: execution provider (cpu, cuda, dml, webgpu, ...)")
+    x.add_argument("--ep", default="cpu", help="genai: execution provider (cpu, cuda, dml, webgpu, NvTensorRtRtx)")
     x.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the export pass (see `passes show hf_to_genai`); repeatable")
     x.add_argument("--overwrite", action="store_true", help="replace an existing output")
     x.add_argument("--json", action="store_true", help="print the result as JSON")
     x.set_defaults(func=_cmd_export)
+
+    pb = sub.add_parser("publish", help="one Hugging Face model to a tree of GenAI packages: every dtype x EP "
+                                        "and quantized variant of the config's matrix")
+    pb.add_argument("config", type=Path, help="YAML or JSON: input, output, matrix (see docs/publishing.md)")
+    pb.add_argument("--overwrite", action="store_true", help="replace cells that exist")
+    pb.add_argument("--json", action="store_true", help="print the result as JSON")
+    pb.set_defaults(func=_cmd_publish)
+
+    v = sub.add_parser("verify", help="check a package against its bitpress-manifest.json (missing, truncated or "
+                                      "changed files)")
+    v.add_argument("folder", type=Path)
+    v.add_argument("--json", action="store_true", help="print the result as JSON")
+    v.set_defaults(func=_cmd_verify)
 
     r = sub.add_parser("run", help="run a workflow config (JSON or YAML)")
     r.add_argument("config", type=Path)
@@ -452,6 +465,40 @@ def _cmd_export(args: argparse.Namespace) -> int:
     result = run({"input": str(args.model), "output": str(args.output), "passes": [step]},
                  overwrite=args.overwrite or None, progress=_progress)
     _report(result, args.json)
+    return EXIT_OK
+
+
+def _cmd_publish(args: argparse.Namespace) -> int:
+    from bitpress.publish import INDEX, load_publish_config, publish
+
+    res = publish(load_publish_config(args.config), overwrite=args.overwrite, progress=_progress)
+    if args.json:
+        print(json.dumps(res.to_json(), indent=2))
+    else:
+        for c in res.cells:
+            line = f"  {c.folder:<28} {c.status:<7} {c.seconds:6.1f} s"
+            print(line + (f"  {c.reason}" if c.reason else ""))
+        ok = len(res.cells) - len(res.failed)
+        print(f"wrote {ok} of {len(res.cells)} packages under {res.output} (index: {res.output / INDEX})")
+    if res.failed:
+        print(f"bitpress: error: {len(res.failed)} cell(s) failed: {', '.join(c.folder for c in res.failed)}",
+              file=sys.stderr)
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from bitpress.manifest import MANIFEST, verify
+
+    res = verify(args.folder)
+    if args.json:
+        print(json.dumps(res.to_json(), indent=2))
+        return EXIT_OK if res.ok else EXIT_FAIL
+    if not res.ok:
+        raise ValidationError(f"{args.folder} does not match its {MANIFEST}: " + "; ".join(res.problems()))
+    print(f"{args.folder}: {res.checked} files ({_mb(res.bytes)}) match {MANIFEST}")
+    if res.unlisted:
+        print(f"note: {len(res.unlisted)} file(s) the manifest does not list: {', '.join(res.unlisted[:5])}")
     return EXIT_OK
 
 

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 GENAI_INSTALL_HINT = 'pip install "torch==2.13.0" "bitpress[genai]"'
 #: --dtype -> the builder's precision, for float checkpoints
 FLOAT_PRECISION = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}
-EPS = ("cpu", "cuda", "dml", "webgpu", "qnn", "openvino", "trt-rtx", "nvtensorrtrtx")
+EPS = ("cpu", "cuda", "dml", "webgpu", "NvTensorRtRtx")  # the builder's -e choices (0.18)
 BUILD_TIMEOUT_S = 3600
 
 
@@ -52,11 +52,15 @@ class GenaiPackage(ModelHandle):
 
     kind: ClassVar[str] = "genai-package"
 
-    def __init__(self, source: Path, folder: Path) -> None:
+    def __init__(self, source: Path, folder: Path, made: dict[str, Any] | None = None) -> None:
         super().__init__(source)
         self.folder = folder
+        self.made = made or {}  # how it was made, for the manifest
 
     def save(self, dest: Path) -> list[Path]:
+        """Copy the package to ``dest`` and write its ``bitpress-manifest.json`` (sizes, sha256)."""
+        from bitpress.manifest import write_manifest
+
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
         files = []
@@ -66,6 +70,7 @@ class GenaiPackage(ModelHandle):
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(f, target)
                 files.append(target)
+        files.append(write_manifest(dest, made=self.made, files=files))
         return files
 
 
@@ -114,8 +119,8 @@ def build_genai(
         options["accuracy_level"] = str(int(accuracy_level))
     argv = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(staged), "-o", str(out),
             "-p", precision, "-e", ep, "-c", str(cache)]
-    if options:
-        argv += ["--extra_options", *(f"{k}={v}" for k, v in options.items())]
+    extra_args = ["--extra_options", *(f"{k}={v}" for k, v in options.items())] if options else []
+    argv += extra_args
     log.info("GenAI builder: %s", " ".join(argv[3:]))
     logfile = workdir / "builder.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -138,7 +143,11 @@ def build_genai(
     if check:
         check_package(out, ep)
     shutil.rmtree(staged, ignore_errors=True)
-    return GenaiPackage(model.source, out)
+    made = {"source": model.source.name, "passes": list(getattr(model, "history", []) or []),
+            "exporter": "onnxruntime_genai.models.builder",
+            "builder_arguments": ["-p", precision, "-e", ep, *extra_args],
+            "checkpoint": "olive" if ckpt.quantized else "float"}
+    return GenaiPackage(model.source, out, made)
 
 
 def _log_tail(logfile: Path, lines: int = 60) -> None:

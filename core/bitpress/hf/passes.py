@@ -102,7 +102,7 @@ class HfToGenaiOptions:
     exporter: str = option("builder", "the exporter: builder (python -m onnxruntime_genai.models.builder)")
     dtype: str = option("auto", "float checkpoints: f32, f16 or bf16 weights and activations (auto: f32); a "
                         "quantized checkpoint keeps its integers (the builder's int4 path)")
-    ep: str = option("cpu", "execution provider the package is built for: cpu, cuda, dml, webgpu, ...")
+    ep: str = option("cpu", "execution provider the package is built for: cpu, cuda, dml, webgpu, NvTensorRtRtx")
     accuracy_level: int = option(-1, "MatMulNBits accuracy_level (-1: the builder's default, 4 on cpu: int8 "
                                  "activations; 1: float32 math)")
     builder_options: dict = option({}, "more --extra_options KEY=VALUE for the builder (see its --help)")

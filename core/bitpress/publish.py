@@ -1,0 +1,199 @@
+"""``bitpress publish CONFIG``: one Hugging Face model to a tree of GenAI packages, one per dtype x EP
+and quantized variant, in the Hub layout users upload as is.
+
+A config (YAML or JSON; paths relative to it)::
+
+    input: SmolLM2-135M                 # a Hugging Face folder
+    output: published
+    matrix:
+      dtypes: [f32, f16]                # float cells: <output>/<dtype>/<ep>/
+      eps: [cpu, cuda]
+      variants:                         # quantized cells: <output>/<variant>/<ep>/
+        int4-rtn: [{type: rtn_hf, bits: 4, group_size: 64, sym: false}]
+        int4-gptq:
+          passes: [{type: gptq_hf, bits: 4, group_size: 64, sym: false}]
+          data: {source: calib.txt, samples: 32}
+          eps: [cpu]                    # the variant's own EPs (default: matrix.eps)
+      folders: {cpu: default}           # EP -> folder name (default: the EP's name)
+      genai: {accuracy_level: 4}        # options of hf_to_genai for every cell
+
+Every cell is a complete package (every sub-model, ``genai_config.json``, tokenizer and
+processor files) with its ``bitpress-manifest.json``. A variant's passes run once; its checkpoint
+is built for each of its EPs. A cell that fails (an exporter's reason, a checkpoint the builder
+cannot take) is reported with its reason and leaves nothing; the others complete.
+``<output>/bitpress-publish.json`` lists every cell and its outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bitpress.errors import BitpressError, ConfigError, OutputError
+
+log = logging.getLogger(__name__)
+
+INDEX = "bitpress-publish.json"
+_CELL_KEYS = {"passes", "data", "eps"}
+_MATRIX_KEYS = {"dtypes", "eps", "variants", "folders", "genai"}
+
+
+@dataclass
+class Cell:
+    folder: str  # relative to the output
+    dtype: str | None  # float cells
+    ep: str
+    variant: str | None = None
+    status: str = "pending"  # ok | failed
+    reason: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class PublishResult:
+    output: Path
+    cells: list[Cell] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[Cell]:
+        return [c for c in self.cells if c.status != "ok"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"output": str(self.output), "cells": [c.__dict__ for c in self.cells]}
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where} must be a non-empty list")
+    return value
+
+
+def _variants(raw: Any, eps: list[str]) -> dict[str, dict[str, Any]]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError("matrix.variants must map variant names to a list of passes (or {passes, data, eps})")
+    out = {}
+    for name, spec in raw.items():
+        if not isinstance(name, str) or not name or "/" in name or name in (".", "..") or name.startswith("."):
+            raise ConfigError(f"matrix.variants: {name!r} is not a folder name")
+        if isinstance(spec, list):
+            spec = {"passes": spec}
+        if not isinstance(spec, dict) or set(spec) - _CELL_KEYS or not isinstance(spec.get("passes"), list) \
+                or not spec["passes"]:
+            raise ConfigError(f"matrix.variants.{name} must be a list of passes, or {{passes, data, eps}}")
+        out[name] = {"passes": spec["passes"], "data": spec.get("data"),
+                     "eps": _list(spec.get("eps"), f"matrix.variants.{name}.eps") or eps}
+    return out
+
+
+def plan_cells(config: dict[str, Any]) -> tuple[list[Cell], dict[str, dict[str, Any]]]:
+    matrix = config.get("matrix")
+    if not isinstance(matrix, dict):
+        raise ConfigError("a publish config needs a matrix: {dtypes, eps, variants}")
+    unknown = set(matrix) - _MATRIX_KEYS
+    if unknown:
+        raise ConfigError(f"matrix: unknown key(s) {', '.join(sorted(unknown))}; "
+                          f"known: {', '.join(sorted(_MATRIX_KEYS))}")
+    eps = [str(e) for e in _list(matrix.get("eps"), "matrix.eps")] or ["cpu"]
+    folders = matrix.get("folders") or {}
+    if not isinstance(folders, dict):
+        raise ConfigError("matrix.folders must map EP names to folder names")
+    variants = _variants(matrix.get("variants"), eps)
+    cells = [Cell(f"{d}/{folders.get(e, e)}", str(d), e) for d in _list(matrix.get("dtypes"), "matrix.dtypes")
+             for e in eps]
+    cells += [Cell(f"{v}/{folders.get(e, e)}", None, e, v) for v, spec in variants.items() for e in spec["eps"]]
+    if not cells:
+        raise ConfigError("the matrix has no cells: give dtypes and/or variants")
+    names = [c.folder for c in cells]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"two cells write the same folder: {sorted(n for n in names if names.count(n) > 1)[0]}")
+    return cells, variants
+
+
+def publish(config: dict[str, Any], *, overwrite: bool = False, progress: Any = None) -> PublishResult:
+    """Build every cell of ``config`` (see the module's docstring)."""
+    from bitpress.api import run
+
+    for key in ("input", "output"):
+        if not isinstance(config.get(key), str | Path):
+            raise ConfigError(f"a publish config needs {key}: a path")
+    unknown = set(config) - {"input", "output", "matrix", "jobs"}
+    if unknown:
+        raise ConfigError(f"unknown publish key(s) {', '.join(sorted(unknown))}; known: input, output, matrix, jobs")
+    cells, variants = plan_cells(config)
+    genai = config["matrix"].get("genai") or {}
+    if not isinstance(genai, dict) or {"dtype", "ep", "type"} & set(genai):
+        raise ConfigError("matrix.genai takes hf_to_genai options other than dtype and ep (the matrix sets them)")
+    src, out = Path(config["input"]), Path(config["output"])
+    out.mkdir(parents=True, exist_ok=True)
+    result = PublishResult(out)
+    with tempfile.TemporaryDirectory(prefix=".bitpress-publish-", dir=out) as tmp:
+        checkpoints: dict[str, Path | BitpressError] = {}
+        for cell in cells:
+            t0 = time.perf_counter()
+            dest = out / cell.folder
+            try:
+                if dest.exists() and not overwrite:
+                    raise OutputError(f"{dest} exists (use --overwrite to replace it)")
+                source = src
+                if cell.variant is not None:
+                    got = checkpoints.get(cell.variant)
+                    if got is None:  # the variant's passes, once
+                        spec = variants[cell.variant]
+                        wf: dict[str, Any] = {"input": str(src), "output": str(Path(tmp) / "ckpt" / cell.variant),
+                                              "passes": spec["passes"]}
+                        if spec["data"] is not None:
+                            wf["data"] = spec["data"]
+                        try:
+                            run(wf, progress=progress)
+                            got = Path(tmp) / "ckpt" / cell.variant / src.name
+                        except BitpressError as exc:
+                            got = exc
+                        checkpoints[cell.variant] = got
+                    if isinstance(got, BitpressError):
+                        raise got
+                    source = got
+                step = {"type": "hf_to_genai", **genai, "ep": cell.ep, "dtype": cell.dtype or "auto"}
+                built = Path(tmp) / "cells" / cell.folder
+                run({"input": str(source), "output": str(built), "passes": [step]}, progress=progress)
+                if dest.exists():
+                    shutil.rmtree(dest)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(built / source.name), str(dest))
+                cell.status = "ok"
+            except BitpressError as exc:
+                cell.status, cell.reason = "failed", str(exc)
+                log.warning("cell %s failed: %s", cell.folder, exc)
+            cell.seconds = time.perf_counter() - t0
+            result.cells.append(cell)
+    (out / INDEX).write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    return result
+
+
+def load_publish_config(path: Path) -> dict[str, Any]:
+    """A publish config from a file: input, output and the variants' data files relative to its folder."""
+    from bitpress.workflow import load_config
+
+    data = load_config(Path(path))
+    base = Path(path).parent
+    variants = (data.get("matrix") or {}).get("variants") if isinstance(data.get("matrix"), dict) else None
+    if isinstance(variants, dict):
+        for spec in variants.values():
+            calib = spec.get("data") if isinstance(spec, dict) else None
+            if isinstance(calib, str):
+                calib = spec["data"] = {"source": calib}
+            if isinstance(calib, dict):
+                for key in ("source", "tokenizer"):
+                    value = calib.get(key)
+                    if isinstance(value, str) and value and value != "random" and not Path(value).is_absolute():
+                        calib[key] = str(base / value)
+    return data
