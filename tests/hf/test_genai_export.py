@@ -309,3 +309,24 @@ def test_publish_matrix_builds_every_cell_and_reports_failures(tiny: dict[str, P
     ep = json.loads((out / "f16/cuda/genai_config.json").read_text())["model"]["decoder"]["session_options"]
     assert "cuda" in json.dumps(ep).lower()
     assert not [p for p in out.iterdir() if p.name.startswith(".bitpress-publish-")]  # no scratch left
+
+
+def test_float_source_is_staged_by_copy_and_links_out_are_refused(tiny: dict[str, Path], tmp_path: Path) -> None:
+    """A float folder reaches the builder as a copy made in the run's folder (never loaded by bitpress, never
+    handed to the builder itself); a file linking out of the folder stops the export before any build."""
+    import shutil
+
+    from bitpress.errors import UnsafePathError
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny["untied"], src)
+    (tmp_path / "secret.txt").write_text("not yours")
+    (src / "chat_template.jinja").symlink_to(tmp_path / "secret.txt")
+    with pytest.raises(UnsafePathError, match="outside the model's folder"):
+        _run([{"type": "hf_to_genai"}], src, tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists() or not any((tmp_path / "pkg").iterdir())
+    (src / "chat_template.jinja").unlink()
+    before = {p.name: p.stat().st_mtime_ns for p in src.iterdir()}
+    pkg = _run([{"type": "hf_to_genai"}], src, tmp_path / "pkg")
+    assert (pkg / "genai_config.json").exists()
+    assert {p.name: p.stat().st_mtime_ns for p in src.iterdir()} == before  # the input untouched

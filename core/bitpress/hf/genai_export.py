@@ -103,8 +103,10 @@ def build_genai(
     staged, out, cache = workdir / "checkpoint", workdir / "package", workdir / "builder-cache"
     for d in (staged, out):
         shutil.rmtree(d, ignore_errors=True)
-    module = model.torch_model()
-    ckpt = write_olive(module, staged, source=model.source)
+    if not model.loaded and not _ours(model.source):
+        ckpt = stage_files(model.source, staged, allow_pickle=model.allow_pickle)  # no torch load, no second copy
+    else:
+        ckpt = write_olive(model.torch_model(), staged, source=model.source)
     if ckpt.quantized:
         if dtype != "auto":
             raise ExportError(
@@ -154,6 +156,37 @@ def _log_tail(logfile: Path, lines: int = 60) -> None:
     text = logfile.read_text(errors="replace").splitlines() if logfile.exists() else []
     for line in text[-lines:]:
         log.debug("builder: %s", line)
+
+
+def _ours(folder: Path) -> bool:
+    from bitpress.hf.checkpoint import QUANT_METHOD, read_config
+
+    qc = read_config(folder).get("quantization_config")
+    return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
+
+
+def stage_files(source: Path, dest: Path, *, allow_pickle: bool = False) -> Any:
+    """A float checkpoint staged for the builder by copying its files (config, safetensors shards and
+    their index, tokenizer and other companions), each checked to stay inside ``source``: the model is
+    never loaded here (the builder loads it once)."""
+    from bitpress.hf.checkpoint import companion_files, copy_companion
+    from bitpress.hf.olive import OliveCheckpoint
+    from bitpress.models import hf_files
+
+    shards = hf_files.check_folder(source)
+    _, pickles = hf_files.weight_files(source)
+    if not shards and pickles and not allow_pickle:
+        raise ExportError(f"{source} holds only pickled weights ({', '.join(p.name for p in pickles)}): loading them "
+                          "can run arbitrary code; convert them to safetensors, or opt in with allow_pickle=true")
+    dest.mkdir(parents=True, exist_ok=True)
+    names = [source / "config.json", *shards, *(pickles if not shards else [])]
+    names += [p for p in hf_files.top_files(source) if p.name.endswith(".index.json")]
+    for f in names:
+        copy_companion(source, f, dest / f.name)
+    for f in companion_files(source):
+        if not (dest / f.name).exists():
+            copy_companion(source, f, dest / f.name)
+    return OliveCheckpoint(dest, quantized=False)
 
 
 def builder_reason(logfile: Path) -> str:
