@@ -99,7 +99,7 @@ def generate(package: Path, tokenizer_dir: Path) -> str:
 
     from bitpress.kvcache import load_tokenizer
 
-    tok = load_tokenizer(tokenizer_dir)
+    tok = load_tokenizer(tokenizer_dir / "tokenizer.json")
     ids = tok.encode(PROMPT, add_special_tokens=False).ids
     m = og.Model(str(package))
     params = og.GeneratorParams(m)
