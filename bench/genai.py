@@ -94,23 +94,11 @@ def rows_spec(calib: Path, tokenizer: Path, samples: int) -> list[tuple[str, str
 
 
 def generate(package: Path, tokenizer_dir: Path) -> str:
-    import numpy as np
-    import onnxruntime_genai as og
-
+    from bitpress.hf.genai_export import greedy
     from bitpress.kvcache import load_tokenizer
 
     tok = load_tokenizer(tokenizer_dir / "tokenizer.json")
-    ids = tok.encode(PROMPT, add_special_tokens=False).ids
-    m = og.Model(str(package))
-    params = og.GeneratorParams(m)
-    params.set_search_options(max_length=len(ids) + GEN_TOKENS, do_sample=False)
-    gen = og.Generator(m, params)
-    gen.append_tokens(np.array([ids], dtype=np.int32))
-    out: list[int] = []
-    while not gen.is_done() and len(out) < GEN_TOKENS:
-        gen.generate_next_token()
-        out.append(int(gen.get_next_tokens()[0]))
-    return tok.decode(out)
+    return tok.decode(greedy(package, tok.encode(PROMPT, add_special_tokens=False).ids, GEN_TOKENS))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -284,22 +284,27 @@ def check_package(folder: Path, ep: str) -> None:
     generate_step(folder)
 
 
-def generate_step(folder: Path, tokens: int = 1) -> list[int]:
-    """``onnxruntime_genai`` loads ``folder`` and generates ``tokens`` tokens after a 3-token prompt."""
+def greedy(folder: Path, prompt: list[int], tokens: int) -> list[int]:
+    """Up to ``tokens`` greedy tokens after ``prompt`` from the package ``folder``, by ``onnxruntime_genai``."""
     import onnxruntime_genai as og
 
+    m = og.Model(str(folder))
+    params = og.GeneratorParams(m)
+    params.set_search_options(max_length=len(prompt) + tokens, do_sample=False)
+    gen = og.Generator(m, params)
+    gen.append_tokens(np.array([prompt], dtype=np.int32))
+    out: list[int] = []
+    while not gen.is_done() and len(out) < tokens:
+        gen.generate_next_token()
+        out.append(int(gen.get_next_tokens()[0]))
+    return out
+
+
+def generate_step(folder: Path, tokens: int = 1) -> list[int]:
+    """``onnxruntime_genai`` loads ``folder`` and generates ``tokens`` tokens after a 3-token prompt."""
     try:
-        m = og.Model(str(folder))
         vocab = _vocab_size(folder)
-        prompt = [i % vocab for i in (1, 2, 3)]
-        params = og.GeneratorParams(m)
-        params.set_search_options(max_length=len(prompt) + tokens, do_sample=False)
-        gen = og.Generator(m, params)
-        gen.append_tokens(np.array([prompt], dtype=np.int32))
-        out: list[int] = []
-        while not gen.is_done() and len(out) < tokens:
-            gen.generate_next_token()
-            out.append(int(gen.get_next_tokens()[0]))
+        out = greedy(folder, [i % vocab for i in (1, 2, 3)], tokens)
     except Exception as exc:  # onnxruntime_genai raises plain RuntimeErrors
         raise ValidationError(f"onnxruntime_genai cannot generate with {folder.name}: "
                               f"{(str(exc).strip().splitlines() or ['?'])[0][:300]}") from None
