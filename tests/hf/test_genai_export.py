@@ -326,6 +326,11 @@ def test_float_source_is_staged_by_copy_and_links_out_are_refused(tiny: dict[str
         _run([{"type": "hf_to_genai"}], src, tmp_path / "pkg")
     assert not (tmp_path / "pkg").exists() or not any((tmp_path / "pkg").iterdir())
     (src / "chat_template.jinja").unlink()
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    with pytest.raises(ExportError, match=r"already quantized by another tool \(quant_method 'gptq'\)"):
+        _run([{"type": "hf_to_genai"}], src, tmp_path / "pkg")
+    (src / "config.json").write_text(json.dumps(cfg))
     before = {p.name: p.stat().st_mtime_ns for p in src.iterdir()}
     pkg = _run([{"type": "hf_to_genai"}], src, tmp_path / "pkg")
     assert (pkg / "genai_config.json").exists()

@@ -131,6 +131,7 @@ def build_genai(
             proc = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=timeout, check=False,
                                   cwd=workdir)
     except subprocess.TimeoutExpired:
+        shutil.rmtree(out, ignore_errors=True)
         _log_tail(logfile)
         raise ExportError(f"the GenAI builder did not finish in {timeout:.0f} s (-v shows its output)") from None
     if proc.returncode != 0:
@@ -174,6 +175,14 @@ def stage_files(source: Path, dest: Path, *, allow_pickle: bool = False) -> Any:
     from bitpress.models import hf_files
 
     shards = hf_files.check_folder(source)
+    qc = hf_files.read_json(source, "config.json").get("quantization_config")
+    if qc:
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise ExportError(
+            f"{source} is already quantized by another tool (quant_method {method!r}); hf_to_genai builds float and "
+            "bitpress checkpoints (the builder imports some formats itself: python -m "
+            "onnxruntime_genai.models.builder -i FOLDER -p int4)"
+        )
     _, pickles = hf_files.weight_files(source)
     if not shards and pickles and not allow_pickle:
         raise ExportError(f"{source} holds only pickled weights ({', '.join(p.name for p in pickles)}): loading them "
