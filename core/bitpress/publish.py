@@ -14,14 +14,23 @@ A config (YAML or JSON; paths relative to it)::
           passes: [{type: gptq_hf, bits: 4, group_size: 64, sym: false}]
           data: {source: calib.txt, samples: 32}
           eps: [cpu]                    # the variant's own EPs (default: matrix.eps)
+        int4-tied:
+          passes: [{type: rtn_hf, bits: 4, group_size: 64, lm_head: true, embeds: true}]
+          genai: {exporter: mobius}     # the variant's own hf_to_genai options (over matrix.genai)
       folders: {cpu: default}           # EP -> folder name (default: the EP's name)
       genai: {accuracy_level: 4}        # options of hf_to_genai for every cell
+      eval: {text: wiki.txt, windows: 16, seq_len: 128}   # figures in each manifest (optional)
 
 Every cell is a complete package (every sub-model, ``genai_config.json``, tokenizer and
 processor files) with its ``bitpress-manifest.json``. A variant's passes run once; its checkpoint
 is built for each of its EPs. A cell that fails (an exporter's reason, a checkpoint the builder
 cannot take) is reported with its reason and leaves nothing; the others complete.
 ``<output>/bitpress-publish.json`` lists every cell and its outcome.
+
+With ``matrix.eval``, every package this machine can run (``cpu`` / ``default`` EPs) is
+evaluated against the reference cell (``eval.reference``, default the first float cell on such
+an EP): perplexity on the text's windows, its change, top-1 agreement and the largest logits
+difference, recorded in the cell's manifest (``eval``) and in the index.
 """
 
 from __future__ import annotations
@@ -40,8 +49,10 @@ from bitpress.errors import BitpressError, ConfigError, OutputError
 log = logging.getLogger(__name__)
 
 INDEX = "bitpress-publish.json"
-_CELL_KEYS = {"passes", "data", "eps"}
-_MATRIX_KEYS = {"dtypes", "eps", "variants", "folders", "genai"}
+_CELL_KEYS = {"passes", "data", "eps", "genai"}
+_MATRIX_KEYS = {"dtypes", "eps", "variants", "folders", "genai", "eval"}
+_EVAL_KEYS = {"text", "windows", "seq_len", "reference"}
+_RUNNABLE = ("cpu", "default")  # EPs whose packages ONNX Runtime's CPU EP runs
 
 
 @dataclass
@@ -53,6 +64,7 @@ class Cell:
     status: str = "pending"  # ok | failed
     reason: str = ""
     seconds: float = 0.0
+    eval: dict[str, Any] | None = None
 
 
 @dataclass
@@ -76,6 +88,11 @@ def _list(value: Any, where: str) -> list[Any]:
     return value
 
 
+def _check_genai(genai: Any, where: str) -> None:
+    if not isinstance(genai, dict) or {"dtype", "ep", "type"} & set(genai):
+        raise ConfigError(f"{where} takes hf_to_genai options other than dtype and ep (the matrix sets them)")
+
+
 def _variants(raw: Any, eps: list[str]) -> dict[str, dict[str, Any]]:
     if raw is None:
         return {}
@@ -89,8 +106,10 @@ def _variants(raw: Any, eps: list[str]) -> dict[str, dict[str, Any]]:
             spec = {"passes": spec}
         if not isinstance(spec, dict) or set(spec) - _CELL_KEYS or not isinstance(spec.get("passes"), list) \
                 or not spec["passes"]:
-            raise ConfigError(f"matrix.variants.{name} must be a list of passes, or {{passes, data, eps}}")
-        out[name] = {"passes": spec["passes"], "data": spec.get("data"),
+            raise ConfigError(f"matrix.variants.{name} must be a list of passes, or {{passes, data, eps, genai}}")
+        genai = spec.get("genai") or {}
+        _check_genai(genai, f"matrix.variants.{name}.genai")
+        out[name] = {"passes": spec["passes"], "data": spec.get("data"), "genai": genai,
                      "eps": _list(spec.get("eps"), f"matrix.variants.{name}.eps") or eps}
     return out
 
@@ -131,8 +150,9 @@ def publish(config: dict[str, Any], *, overwrite: bool = False, progress: Any = 
         raise ConfigError(f"unknown publish key(s) {', '.join(sorted(unknown))}; known: input, output, matrix, jobs")
     cells, variants = plan_cells(config)
     genai = config["matrix"].get("genai") or {}
-    if not isinstance(genai, dict) or {"dtype", "ep", "type"} & set(genai):
-        raise ConfigError("matrix.genai takes hf_to_genai options other than dtype and ep (the matrix sets them)")
+    _check_genai(genai, "matrix.genai")
+    if config["matrix"].get("eval") is not None:
+        check_eval(config["matrix"]["eval"])  # before anything is built
     src, out = Path(config["input"]), Path(config["output"])
     out.mkdir(parents=True, exist_ok=True)
     result = PublishResult(out)
@@ -162,7 +182,8 @@ def publish(config: dict[str, Any], *, overwrite: bool = False, progress: Any = 
                     if isinstance(got, BitpressError):
                         raise got
                     source = got
-                step = {"type": "hf_to_genai", **genai, "ep": cell.ep, "dtype": cell.dtype or "auto"}
+                own = variants[cell.variant]["genai"] if cell.variant is not None else {}
+                step = {"type": "hf_to_genai", **genai, **own, "ep": cell.ep, "dtype": cell.dtype or "auto"}
                 built = Path(tmp) / "cells" / cell.folder
                 run({"input": str(source), "output": str(built), "passes": [step]}, progress=progress)
                 if dest.exists():
@@ -175,8 +196,58 @@ def publish(config: dict[str, Any], *, overwrite: bool = False, progress: Any = 
                 log.warning("cell %s failed: %s", cell.folder, exc)
             cell.seconds = time.perf_counter() - t0
             result.cells.append(cell)
+    if config["matrix"].get("eval"):
+        evaluate_cells(result, config["matrix"]["eval"], progress=progress)
     (out / INDEX).write_text(json.dumps(result.to_json(), indent=2) + "\n")
     return result
+
+
+def check_eval(spec: Any) -> dict[str, Any]:
+    """``matrix.eval``, checked: a text file, windows and seq_len > 0, an optional reference folder."""
+    if not isinstance(spec, dict) or set(spec) - _EVAL_KEYS or not isinstance(spec.get("text"), str | Path):
+        raise ConfigError(f"matrix.eval must be {{text: FILE, windows: N, seq_len: N, reference: FOLDER}} "
+                          f"(text required), got {spec!r}")
+    out = {"text": Path(spec["text"]), "windows": spec.get("windows", 16), "seq_len": spec.get("seq_len", 128),
+           "reference": spec.get("reference")}
+    for key in ("windows", "seq_len"):
+        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] <= 0:
+            raise ConfigError(f"matrix.eval.{key} must be a positive integer, got {out[key]!r}")
+    if not out["text"].is_file():
+        raise ConfigError(f"matrix.eval.text: {out['text']} is not a file")
+    return out
+
+
+def evaluate_cells(result: PublishResult, spec: dict[str, Any], *, progress: Any = None) -> None:
+    """Evaluate every runnable ok cell against the reference cell; figures to its manifest and cell."""
+    from bitpress.api import evaluate
+    from bitpress.manifest import add_evaluation
+
+    ev = check_eval(spec)
+    ok = [c for c in result.cells if c.status == "ok" and c.ep in _RUNNABLE]
+    ref_name = ev["reference"] or next((c.folder for c in ok if c.dtype is not None), None)
+    ref = next((c for c in ok if c.folder == ref_name), None)
+    if ref is None:
+        log.warning("matrix.eval: no reference package (%s) built on cpu/default: nothing evaluated", ref_name)
+        return
+    for cell in ok:
+        try:
+            res = evaluate(result.output / cell.folder, result.output / ref.folder, text=ev["text"],
+                           seq_len=ev["seq_len"], max_windows=ev["windows"], weights=False, progress=progress)
+        except BitpressError as exc:
+            log.warning("cell %s: evaluation failed: %s", cell.folder, exc)
+            cell.eval = {"error": str(exc)}
+            continue
+        lg = res.logits()
+        ppl = res.perplexity
+        cell.eval = {
+            "reference": ref.folder, "text": ev["text"].name, "windows": ppl.windows if ppl else None,
+            "seq_len": ev["seq_len"], "perplexity": ppl.quantized if ppl else None,
+            "reference_perplexity": ppl.reference if ppl else None,
+            "perplexity_change": ppl.relative_change if ppl else None,
+            "top1_agreement": lg.top1_agreement if lg else None,
+            "max_abs_logits_error": lg.max_abs_error if lg else None,
+        }
+        add_evaluation(result.output / cell.folder, cell.eval)
 
 
 def load_publish_config(path: Path) -> dict[str, Any]:
@@ -185,6 +256,9 @@ def load_publish_config(path: Path) -> dict[str, Any]:
 
     data = load_config(Path(path))
     base = Path(path).parent
+    ev = (data.get("matrix") or {}).get("eval") if isinstance(data.get("matrix"), dict) else None
+    if isinstance(ev, dict) and isinstance(ev.get("text"), str) and not Path(ev["text"]).is_absolute():
+        ev["text"] = str(base / ev["text"])
     variants = (data.get("matrix") or {}).get("variants") if isinstance(data.get("matrix"), dict) else None
     if isinstance(variants, dict):
         for spec in variants.values():

@@ -62,21 +62,36 @@ def _run(passes: list[dict[str, Any]], src: Path, out: Path) -> Path:
     return out / src.name  # a folder output mirrors the input's name
 
 
-def _matmuls(folder: Path) -> dict[str, dict[str, np.ndarray]]:
+def _initializer(graph: onnx.GraphProto, name: str) -> tuple[str, onnx.TensorProto]:
+    """The initializer behind ``name``, through the Reshape a tied head reads its table by."""
+    inits = {t.name: t for t in graph.initializer}
+    while name not in inits:
+        node = next(n for n in graph.node if name in n.output)
+        assert node.op_type == "Reshape", node
+        name = node.input[0]
+    return name, inits[name]
+
+
+def _matmuls(folder: Path) -> dict[str, dict[str, Any]]:
     m = onnx.load(str(folder / "model.onnx"))
-    inits = {t.name: t for t in m.graph.initializer}
     out = {}
     for n in m.graph.node:
         if n.op_type == "MatMulNBits":
-            out[n.name] = {k: numpy_helper.to_array(inits[i], base_dir=str(folder)) for k, i in
-                           zip(("b", "scales", "zp"), n.input[1:4], strict=False) if i}
+            got: dict[str, Any] = {}
+            for k, i in zip(("b", "scales", "zp"), n.input[1:4], strict=False):
+                if i:
+                    got[f"{k}_name"], t = _initializer(m.graph, i)
+                    got[k] = numpy_helper.to_array(t, base_dir=str(folder))
+            out[n.name] = got
     return out
 
 
 def _modules(node: str) -> list[str]:
-    """The checkpoint's modules behind a builder node name (q/k/v fused into one)."""
-    if node.startswith("/lm_head/"):
+    """The checkpoint's modules behind a node name: the builder's (q/k/v fused into one) or mobius's."""
+    if node.startswith(("/lm_head/", "lm_head/")):
         return ["lm_head"]
+    if not node.startswith("/"):  # mobius: model/layers.0/self_attn/q_proj/MatMulNBits_node_11
+        return [node.rsplit("/", 1)[0].replace("/", ".")]
     layer, block, proj = re.match(r"/model/layers\.(\d+)/(attn|mlp)/(\w+)/MatMulNBits", node).groups()  # type: ignore[union-attr]
     prefix = f"model.layers.{layer}." + ("self_attn" if block == "attn" else "mlp")
     if proj == "qkv_proj":
@@ -91,25 +106,32 @@ def _checkpoint(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return qc, load_file(str(folder / "model.safetensors"))
 
 
+def _expected(qc: dict[str, Any], t: dict[str, np.ndarray], name: str) -> tuple[np.ndarray, ...]:
+    """The checkpoint's integers ``[rows, blocks, blob]``, scales ``[rows, blocks]`` and packed zero points."""
+    spec = qc["modules"][name]
+    rows = int(np.prod(spec["shape"][:-1]))
+    nb = -(-spec["shape"][-1] // spec["group_size"])
+    zp = t.get(f"{name}_qzeros")
+    zp = np.full((rows, nb), 2 ** (spec["bits"] - 1), np.uint8) if zp is None else zp.reshape(rows, nb)
+    return (t[f"{name}_qweight"].reshape(rows, nb, -1), t[f"{name}_scales"].reshape(rows, nb),
+            pack_zero_points(zp, spec["bits"]))
+
+
 def _assert_same_integers(ckpt: Path, package: Path) -> int:
+    """Every MatMulNBits holds the checkpoint's integers, scales and zero points (a missing zero-point input:
+    the implied 2**(bits-1), which symmetric weights have)."""
     qc, t = _checkpoint(ckpt)
     tied = {g[1]: g[0] for g in qc.get("tied", []) if len(g) > 1}
     checked = 0
     for node, got in _matmuls(package).items():
-        parts = []
-        for mod in _modules(node):
-            name = tied.get(f"{mod}.weight", f"{mod}.weight")
-            spec = qc["modules"][name]
-            rows = int(np.prod(spec["shape"][:-1]))
-            nb = -(-spec["shape"][-1] // spec["group_size"])
-            zp = t.get(f"{name}_qzeros")
-            zp = np.full((rows, nb), 2 ** (spec["bits"] - 1), np.uint8) if zp is None else zp.reshape(rows, nb)
-            parts.append((t[f"{name}_qweight"].reshape(rows, nb, -1), t[f"{name}_scales"].reshape(rows, nb),
-                          pack_zero_points(zp, spec["bits"])))
+        parts = [_expected(qc, t, tied.get(f"{mod}.weight", f"{mod}.weight")) for mod in _modules(node)]
         b, s, z = (np.concatenate(x) for x in zip(*parts, strict=True))
-        np.testing.assert_array_equal(got["b"], b, err_msg=node)
+        np.testing.assert_array_equal(got["b"].reshape(b.shape), b, err_msg=node)
         np.testing.assert_array_equal(got["scales"].reshape(s.shape), s, err_msg=node)
-        np.testing.assert_array_equal(got["zp"].reshape(z.shape), z, err_msg=node)
+        if "zp" in got:
+            np.testing.assert_array_equal(got["zp"].reshape(z.shape), z, err_msg=node)
+        else:
+            assert all(f"{tied.get(f'{m}.weight', f'{m}.weight')}_qzeros" not in t for m in _modules(node)), node
         checked += 1
     return checked
 
@@ -135,26 +157,30 @@ def _logits_torch(folder: Path, prompt: list[int]) -> np.ndarray:
         return model(torch.tensor([prompt])).logits[0, -1].numpy()
 
 
+@pytest.mark.parametrize("exporter", ["builder", "mobius"])
 @pytest.mark.parametrize(("which", "sym", "lm_head"), [("untied", False, False), ("untied", True, True),
                                                         ("tied", False, True), ("tied", True, False)])
 def test_quantized_checkpoint_keeps_its_integers(tiny: dict[str, Path], tmp_path: Path, which: str, sym: bool,
-                                                 lm_head: bool) -> None:
+                                                 lm_head: bool, exporter: str) -> None:
     """rtn_hf int4 -> checkpoint -> hf_to_genai: every MatMulNBits holds the checkpoint's integers, scales and
     zero points; the package generates, and its logits are the quantized PyTorch model's (float32 math)."""
     rtn = {"type": "rtn_hf", "bits": 4, "group_size": 32, "sym": sym, "lm_head": lm_head,
            "embeds": lm_head and which == "tied"}  # the tied table, quantized once for both
     ckpt = _run([rtn], tiny[which], tmp_path / "ckpt")
-    package = _run([{"type": "hf_to_genai", "accuracy_level": 1}], ckpt, tmp_path / "pkg")
+    package = _run([{"type": "hf_to_genai", "exporter": exporter, "accuracy_level": 1}], ckpt, tmp_path / "pkg")
     assert (package / "genai_config.json").exists() and (package / "tokenizer.json").exists()
     n = _assert_same_integers(ckpt, package)
-    assert n == 2 * 5 + lm_head  # fused qkv, o, gate, up, down per layer (+ the head)
+    assert n == 2 * (5 if exporter == "builder" else 7) + lm_head  # the builder fuses q/k/v (+ the head)
     graph = onnx.load(str(package / "model.onnx"), load_external_data=False).graph
     ops = {nd.op_type: nd for nd in graph.node}
     float_tables = [t.name for t in graph.initializer if sorted(t.dims) == [64, 256]]
-    if which == "tied" and lm_head:  # one table: the head's bytes, which GatherBlockQuantized reads reshaped
+    if which == "tied" and lm_head:  # one table, read by GatherBlockQuantized and by the head (reshaped)
         assert not float_tables, float_tables
-        reshape = next(nd for nd in graph.node if nd.output[0] == ops["GatherBlockQuantized"].input[0])
-        assert reshape.op_type == "Reshape" and reshape.input[0] == "lm_head.MatMulNBits.qweight"
+        table, _ = _initializer(graph, ops["GatherBlockQuantized"].input[0])
+        head = _matmuls(package)[next(k for k in _matmuls(package) if "lm_head" in k)]
+        assert head["b_name"] == table
+        assert head["scales_name"] == _initializer(graph, ops["GatherBlockQuantized"].input[2])[0]
+        assert sum(1 for t in graph.initializer if t.name.endswith(("qweight", ".weight")) and 256 in t.dims) == 1
     elif which == "tied":  # one float table, read by the Gather and the head's MatMul
         assert len(float_tables) == 1 and "GatherBlockQuantized" not in ops
     else:  # a float head stays float (the builder would round it itself)
@@ -282,10 +308,16 @@ def test_publish_matrix_builds_every_cell_and_reports_failures(tiny: dict[str, P
                               "embeds": True}],
                 "int8-rtn": {"passes": [{"type": "rtn_hf", "bits": 8, "group_size": 64}], "eps": ["cpu"]},
                 "Q4_K": {"passes": [{"type": "kquant_hf", "bits": 4, "group_size": 32}], "eps": ["cpu"]},
+                "int4-mobius": {"passes": [{"type": "rtn_hf", "bits": 4, "group_size": 32, "sym": False,
+                                            "lm_head": True, "embeds": True}],
+                                "eps": ["cpu"], "genai": {"exporter": "mobius"}},
             },
             "genai": {"accuracy_level": 1},
+            "eval": {"text": "corpus.txt", "windows": 2, "seq_len": 16},
         },
     }
+    rng = np.random.default_rng(0)
+    (tmp_path / "corpus.txt").write_text(" ".join(f"t{i}" for i in rng.integers(4, 256, 200)))
     (tmp_path / "publish.yaml").write_text(yaml.safe_dump(cfg))
     assert main(["publish", str(tmp_path / "publish.yaml")]) == 1
     captured = capsys.readouterr()
@@ -295,7 +327,7 @@ def test_publish_matrix_builds_every_cell_and_reports_failures(tiny: dict[str, P
     # builder 0.18's fp32 CUDA decoder leaves its KV-cache outputs unconnected: the package check says so
     assert status == {"f32/default": "ok", "f32/cuda": "failed", "f16/default": "ok", "f16/cuda": "ok",
                       "int4-rtn/default": "ok", "int4-rtn/cuda": "ok", "int8-rtn/default": "ok",
-                      "Q4_K/default": "failed"}
+                      "Q4_K/default": "failed", "int4-mobius/default": "ok"}
     reasons = {c["folder"]: c["reason"] for c in index["cells"]}
     assert "float zero points" in reasons["Q4_K/default"]
     assert "ONNX checker" in reasons["f32/cuda"] and "present.0.key" in reasons["f32/cuda"]
@@ -306,6 +338,16 @@ def test_publish_matrix_builds_every_cell_and_reports_failures(tiny: dict[str, P
         pkg = out / folder
         assert (pkg / "genai_config.json").exists() and (pkg / "tokenizer.json").exists()
         assert (pkg / MANIFEST).exists() and verify(pkg).ok
+    made = json.loads((out / "int4-mobius/default" / MANIFEST).read_text())["made"]
+    assert made["exporter"] == "mobius build" and made["checkpoint"] == "olive"
+    # eval figures: every cpu package against the f32 one, in its manifest (which still verifies) and the index
+    figures = {c["folder"]: c["eval"] for c in index["cells"] if c["eval"]}
+    assert set(figures) == {f for f, s in status.items() if s == "ok" and f.endswith("/default")}
+    assert figures["f32/default"]["perplexity_change"] == 0.0
+    rtn = json.loads((out / "int4-rtn/default" / MANIFEST).read_text())["eval"]
+    assert rtn == figures["int4-rtn/default"] and rtn["reference"] == "f32/default" and rtn["windows"] == 2
+    assert rtn["perplexity_change"] != 0.0 and 0.0 < rtn["top1_agreement"] <= 1.0
+    assert "perplexity" in captured.out
     ep = json.loads((out / "f16/cuda/genai_config.json").read_text())["model"]["decoder"]["session_options"]
     assert "cuda" in json.dumps(ep).lower()
     assert not [p for p in out.iterdir() if p.name.startswith(".bitpress-publish-")]  # no scratch left
@@ -335,3 +377,167 @@ def test_float_source_is_staged_by_copy_and_links_out_are_refused(tiny: dict[str
     pkg = _run([{"type": "hf_to_genai"}], src, tmp_path / "pkg")
     assert (pkg / "genai_config.json").exists()
     assert {p.name: p.stat().st_mtime_ns for p in src.iterdir()} == before  # the input untouched
+
+
+def test_mobius_takes_an_untied_quantized_table_and_keeps_the_zero_points(tiny: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    """mobius reads asymmetric olive weights as symmetric unless told (it drops the zero points: measured), and
+    gathers a quantized embedding table the builder cannot import: both arrive exact, and the logits are the
+    PyTorch model's; its genai_config's context (4096 whatever the model) is the model's."""
+    rtn = {"type": "rtn_hf", "bits": 4, "group_size": 32, "sym": False, "lm_head": True, "embeds": True}
+    ckpt = _run([rtn], tiny["untied"], tmp_path / "ckpt")
+    with pytest.raises(ExportError, match=r"not tied to the LM head.*--exporter mobius"):
+        _run([{"type": "hf_to_genai"}], ckpt, tmp_path / "refused")
+    package = _run([{"type": "hf_to_genai", "exporter": "mobius", "accuracy_level": 1}], ckpt, tmp_path / "pkg")
+    assert _assert_same_integers(ckpt, package) == 2 * 7 + 1
+    graph = onnx.load(str(package / "model.onnx")).graph
+    gather = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
+    qc, t = _checkpoint(ckpt)
+    b, s, z = _expected(qc, t, "model.embed_tokens.weight")
+    got = [numpy_helper.to_array(_initializer(graph, i)[1], base_dir=str(package)) for i in
+           (gather.input[0], gather.input[2], gather.input[3])]
+    np.testing.assert_array_equal(got[0].reshape(b.shape), b)
+    np.testing.assert_array_equal(got[1].reshape(s.shape), s)
+    np.testing.assert_array_equal(got[2].reshape(z.shape), z)
+    assert not [i for i in graph.initializer if sorted(i.dims) == [64, 256]]  # no float table left
+    cfg = json.loads((package / "genai_config.json").read_text())
+    assert cfg["model"]["context_length"] == 128 and cfg["search"]["max_length"] == 128
+    prompt = [5, 17, 42, 9]
+    np.testing.assert_allclose(_logits_og(package, prompt), _logits_torch(ckpt, prompt), atol=2e-4, rtol=1e-4)
+
+
+def test_mobius_refusals_and_failures_are_one_line(tiny: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    mixed = {"type": "rtn_hf", "bits": 4, "group_size": 32, "overrides": {"re:.*\\.down_proj": {"bits": 8}}}
+    ckpt = _run([mixed], tiny["untied"], tmp_path / "ckpt")
+    with pytest.raises(ExportError, match="mix 4-bit group 32, 8-bit group 32: mobius reads one bits"):
+        _run([{"type": "hf_to_genai", "exporter": "mobius"}], ckpt, tmp_path / "pkg")
+    with pytest.raises(ExportError, match="bf16 packages for cpu do not load"):
+        _run([{"type": "hf_to_genai", "exporter": "mobius", "dtype": "bf16"}], tiny["tied"], tmp_path / "pkg")
+    weird = tmp_path / "weird"
+    shutil.copytree(tiny["tied"], weird)
+    cfg = json.loads((weird / "config.json").read_text())
+    (weird / "config.json").write_text(json.dumps({**cfg, "model_type": "bitpress_toy"}))
+    with pytest.raises(ExportError, match=r"^mobius failed on weird: ValueError: .*model type `bitpress_toy`"):
+        _run([{"type": "hf_to_genai", "exporter": "mobius"}], weird, tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists() or not any((tmp_path / "pkg").iterdir())
+    from bitpress.errors import OptionError
+
+    with pytest.raises(OptionError, match="builder_options apply to exporter builder only"):
+        _run([{"type": "hf_to_genai", "exporter": "mobius", "builder_options": {"x": 1}}], weird, tmp_path / "pkg")
+
+
+def test_mobius_float_packages_at_two_dtypes_keep_the_tied_table_one(tiny: dict[str, Path], tmp_path: Path) -> None:
+    for dtype, ep in (("f16", "default"), ("f32", "cpu")):
+        pkg = _run([{"type": "hf_to_genai", "exporter": "mobius", "dtype": dtype, "ep": ep}], tiny["tied"],
+                   tmp_path / f"pkg-{dtype}")
+        g = onnx.load(str(pkg / "model.onnx"), load_external_data=False).graph
+        tables = [t for t in g.initializer if sorted(t.dims) == [64, 256]]
+        assert len(tables) == 1
+        want = onnx.TensorProto.FLOAT16 if dtype == "f16" else onnx.TensorProto.FLOAT
+        assert tables[0].data_type == want
+        manifest = json.loads((pkg / "bitpress-manifest.json").read_text())
+        assert manifest["made"]["exporter"] == "mobius build" and dtype in manifest["made"]["exporter_arguments"]
+
+
+@pytest.mark.parametrize(("exporter", "module"), [("builder", "onnx_ir"), ("mobius", "mobius")])
+def test_a_missing_exporter_names_the_extra(tiny: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           exporter: str, module: str) -> None:
+    """The builder needs onnx_ir (it fails deep in its import without it); mobius is its own package: either
+    missing is one error naming what to install, before anything is staged."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    with pytest.raises(ExportError, match=rf"needs {module}: pip install .*bitpress\[genai\]"):
+        _run([{"type": "hf_to_genai", "exporter": exporter}], tiny["tied"], tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists() or not any((tmp_path / "pkg").iterdir())
+
+
+def _steps_og(package: Path, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and the logits that chose each (read after each step: the model runs inside it)."""
+    import onnxruntime_genai as og
+
+    m = og.Model(str(package))
+    params = og.GeneratorParams(m)
+    params.set_search_options(max_length=len(prompt) + steps, do_sample=False)
+    gen = og.Generator(m, params)
+    gen.append_tokens(np.array([prompt], dtype=np.int32))
+    tokens, logits = [], []
+    while not gen.is_done() and len(tokens) < steps:
+        gen.generate_next_token()
+        tokens.append(int(gen.get_next_tokens()[0]))
+        logits.append(np.asarray(gen.get_output("logits"))[0, -1])
+    return tokens, np.stack(logits)
+
+
+@pytest.mark.parametrize(("exporter", "which", "rtn"), [
+    ("builder", "tied", {"lm_head": True, "embeds": True}),  # one quantized table: GatherBlockQuantized + head
+    ("builder", "tied", None),  # one float table
+    ("builder", "untied", {}),  # quantized linears, float table and head
+    ("mobius", "tied", {"lm_head": True, "embeds": True}),
+])
+def test_split_embedding_keeps_one_table_and_generates_the_same(tiny: dict[str, Path], tmp_path: Path,
+                                                                exporter: str, which: str,
+                                                                rtn: dict[str, Any] | None) -> None:
+    """split_embedding: embedding.onnx + decoder.onnx in a decoder-pipeline package, both reading one data file
+    (the tied table stored once: the data file is the unsplit package's); generation is the unsplit package's."""
+    src = tiny[which]
+    if rtn is not None:
+        src = _run([{"type": "rtn_hf", "bits": 4, "group_size": 32, "sym": False, **rtn}], src, tmp_path / "ckpt")
+    step = {"type": "hf_to_genai", "exporter": exporter, "accuracy_level": 1}
+    whole = _run([step], src, tmp_path / "whole")
+    split = _run([{**step, "split_embedding": True}], src, tmp_path / "split")
+    assert not (split / "model.onnx").exists()
+    cfg = json.loads((split / "genai_config.json").read_text())
+    assert cfg["model"]["type"] == "decoder-pipeline"
+    stages = [next(iter(s)) for s in cfg["model"]["decoder"]["pipeline"]]
+    assert stages == ["embedding", "decoder"]
+    data = {p.name: p.stat().st_size for p in split.glob("*.data")}
+    assert data == {p.name: p.stat().st_size for p in whole.glob("*.data")}  # nothing written twice
+    emb = onnx.load(str(split / "embedding.onnx"), load_external_data=False).graph
+    dec = onnx.load(str(split / "decoder.onnx"), load_external_data=False).graph
+    assert [i.name for i in emb.input] == ["input_ids"] and [o.name for o in emb.output] == ["inputs_embeds"]
+    assert "inputs_embeds" in [i.name for i in dec.input] and "input_ids" not in [i.name for i in dec.input]
+    shared = {t.name for t in emb.initializer} & {t.name for t in dec.initializer}
+    if which == "tied":  # the table both read: the same bytes of the same file
+        pairs = [(next(t for t in emb.initializer if t.name == n), next(t for t in dec.initializer if t.name == n))
+                 for n in shared]
+        assert all(list(e.external_data) == list(d.external_data) for e, d in pairs)
+        assert any(e.external_data and 256 in e.dims for e, _ in pairs)  # the table itself, not a shape constant
+    else:
+        assert not shared
+    prompt = [5, 17, 42, 9]
+    tokens, logits = _steps_og(split, prompt, 6)
+    want_tokens, want_logits = _steps_og(whole, prompt, 6)
+    assert tokens == want_tokens
+    np.testing.assert_allclose(logits, want_logits, atol=1e-5, rtol=1e-5)
+    made = json.loads((split / "bitpress-manifest.json").read_text())["made"]
+    assert made["components"] == ["embedding", "decoder"]
+    if exporter == "mobius":  # bitpress eval runs one-model packages, and says so
+        import bitpress
+        from bitpress.errors import UsageError
+
+        with pytest.raises(UsageError, match=r"decoder-pipeline package .embedding, decoder.*without split_embedding"):
+            bitpress.evaluate(split, whole, weights=False)
+
+
+def test_gemma3_rope_parameters_refused_by_the_builder_built_by_mobius(tmp_path: Path) -> None:
+    """transformers 5 writes Gemma-3's rope_parameters per attention type; builder 0.18 fails on them
+    (KeyError 'rope_type', measured): refused before the build, naming mobius, which builds a package that
+    generates."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(5)
+    cfg = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                           sliding_window=32, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    src = _tokenized_folder(Gemma3ForCausalLM(cfg).eval(), tmp_path / "gemma3")
+    with pytest.raises(ExportError, match=r"builder 0.18 cannot read rope_parameters per attention type "
+                                          r"\(full_attention, sliding_attention.*--exporter mobius"):
+        _run([{"type": "hf_to_genai"}], src, tmp_path / "pkg")
+    pkg = _run([{"type": "hf_to_genai", "exporter": "mobius"}], src, tmp_path / "pkg")
+    tokens, _ = _steps_og(pkg, [5, 17, 42], 3)
+    assert len(tokens) == 3 and all(0 <= t < 256 for t in tokens)

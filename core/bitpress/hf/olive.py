@@ -23,6 +23,14 @@ Symmetric weights get explicit zero points of ``2**(bits - 1)``: the value ``Mat
 implies without them, written so the builder's fused q/k/v path (which concatenates zero
 points) works. Layers whose q/k/v differ in bits or group size need ``fuse_qkv=false`` (the
 builder's fusion then writes a broken graph): :attr:`OliveCheckpoint.builder_options` says so.
+
+mobius (``mobius build --config``, 0.1.0) reads the same tensors with other conventions, so
+``exporter="mobius"`` writes them its way: ``quantization_config`` carries ``sym`` (mobius
+assumes symmetric when it is absent and silently drops the zero points: measured), ``lm_head``,
+``embeds`` and ``tie_word_embeddings``; a quantized embedding table, tied or not, is stored as
+``model.embed_tokens.*`` (mobius gathers it with ``GatherBlockQuantized`` and, tied, its LM head
+reads the same initializers); symmetric checkpoints carry no zero points. mobius has one
+``bits`` / ``group_size`` for the whole model: mixed ones are refused.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ log = logging.getLogger(__name__)
 
 QUANT_METHOD = "olive"
 OLIVE_BITS = (4, 8)
+EXPORTERS = ("builder", "mobius")
 _TABLE = "model.embed_tokens.weight"
 _HEAD = "lm_head.weight"
 
@@ -85,14 +94,16 @@ def _decoder_linears(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def check_olive(model: nn.Module) -> None:
-    """Raise :class:`ExportError` when ``model`` cannot be written as an olive checkpoint faithfully."""
+def check_olive(model: nn.Module, exporter: str = "builder") -> None:
+    """Raise :class:`ExportError` when ``model`` cannot be written as an olive checkpoint ``exporter``
+    reads faithfully."""
     from bitpress.hf.checkpoint import parameter_groups
     from bitpress.hf.qtensor import QuantTensor
 
     linears = _decoder_linears(model)
     problems: list[str] = []
     float_linears, float_zp, bad_bits, fused, bad_k, tables = [], [], [], [], [], []
+    specs: set[tuple[int, int]] = set()
     any_quantized = False
     for names, value in parameter_groups(model):
         if not isinstance(value, QuantTensor):
@@ -108,21 +119,28 @@ def check_olive(model: nn.Module) -> None:
             bad_bits.append(f"{names[0]} ({spec.bits}-bit)")
         elif spec.k % spec.group_size:
             bad_k.append(f"{names[0]} (K {spec.k}, group {spec.group_size})")
-        if _TABLE in names and _HEAD not in names:
+        else:
+            specs.add((spec.bits, spec.group_size))
+        if _TABLE in names and _HEAD not in names and exporter == "builder":
             tables.append(names[0])
     if not any_quantized:
         return
+    if exporter == "mobius" and len(specs) > 1:
+        problems.append(
+            f"the weights mix {', '.join(f'{b}-bit group {g}' for b, g in sorted(specs))}: mobius reads one bits / "
+            "group_size for the whole model (quantize with one, or use the builder: --exporter builder)"
+        )
     if float_linears:
         problems.append(
-            f"{summarize_names(float_linears)} are float in a quantized checkpoint: the GenAI builder imports a "
+            f"{summarize_names(float_linears)} are float in a quantized checkpoint: {_who(exporter)} imports a "
             "quantized checkpoint only when every decoder linear is quantized (quantize them all, e.g. without "
             "nodes_to_exclude / overrides that keep projections float, or export the float model)"
         )
     if float_zp:
         problems.append(
-            f"{summarize_names(float_zp)} have float zero points (kquant / hqq), which the builder's olive format "
-            "cannot hold: quantize with integer zero points (rtn_hf, gptq_hf, awq_hf with rtn, or is_symmetric) "
-            "for a GenAI package, or use bitpress's own export (hf_to_onnx, MatMulNBits with float zero points)"
+            f"{summarize_names(float_zp)} have float zero points (kquant / hqq), which the olive format cannot "
+            "hold: quantize with integer zero points for a GenAI package (kquant_hf float_zero_points: false; "
+            "rtn_hf, gptq_hf, awq_hf), or use bitpress's own export (hf_to_onnx keeps float zero points)"
         )
     if bad_bits:
         problems.append(f"{summarize_names(bad_bits)}: the builder imports 4- and 8-bit weights only")
@@ -136,18 +154,24 @@ def check_olive(model: nn.Module) -> None:
     if tables:
         problems.append(
             f"{summarize_names(tables)}: a quantized embedding table not tied to the LM head has no olive form "
-            "(the builder quantizes embeddings itself, from float): keep embeddings float (embeds: false)"
+            "(the builder quantizes embeddings itself, from float): keep embeddings float (embeds: false), or "
+            "export with --exporter mobius"
         )
     if problems:
-        raise ExportError("cannot write this checkpoint for the GenAI builder: " + "; ".join(problems))
+        raise ExportError(f"cannot write this checkpoint for {_who(exporter)}: " + "; ".join(problems))
 
 
-def write_olive(model: nn.Module, dest: Path, *, source: Path) -> OliveCheckpoint:
-    """Write ``model`` (bitpress-quantized, or float) as a Hugging Face folder the builder imports.
+def _who(exporter: str) -> str:
+    return "the GenAI builder" if exporter == "builder" else exporter
 
-    A float model is written as a plain float checkpoint; a quantized one in the olive format,
-    after :func:`check_olive`. Companion files (tokenizer, generation config) come from
-    ``source``, each checked to stay inside it.
+
+def write_olive(model: nn.Module, dest: Path, *, source: Path, exporter: str = "builder") -> OliveCheckpoint:
+    """Write ``model`` (bitpress-quantized, or float) as a Hugging Face folder ``exporter`` imports.
+
+    A float model is written as a plain float checkpoint; a quantized one in the olive format
+    (``exporter``'s conventions: see the module's docstring), after :func:`check_olive`.
+    Companion files (tokenizer, generation config) come from ``source``, each checked to stay
+    inside it.
     """
     import torch
     from safetensors.torch import save_file
@@ -155,23 +179,30 @@ def write_olive(model: nn.Module, dest: Path, *, source: Path) -> OliveCheckpoin
     from bitpress.hf.checkpoint import SAFETENSORS, companion_files, copy_companion, parameter_groups
     from bitpress.hf.qtensor import QuantTensor
 
-    check_olive(model)
+    if exporter not in EXPORTERS:
+        raise ExportError(f"unknown exporter {exporter!r}; known: {', '.join(EXPORTERS)}")
+    check_olive(model, exporter)
+    mobius = exporter == "mobius"
+    groups = list(parameter_groups(model))
+    quantized = [v for _, v in groups if isinstance(v, QuantTensor)]
+    all_sym = all(v.qzeros is None for v in quantized)
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     specs: dict[str, tuple[int, int]] = {}  # module -> (bits, group size)
-    tied_quantized = False
-    tied = False
-    for names, value in parameter_groups(model):
+    tied = tied_quantized = table_quantized = False
+    for names, value in groups:
         if _TABLE in names and _HEAD in names:
             tied = True
         if not isinstance(value, QuantTensor):
             tensors[names[0]] = value.detach().contiguous()
             continue
         spec = value.spec
-        # a tied table is the LM head's (the builder's GatherBlockQuantized reads the head's tensors)
-        name = _HEAD if _HEAD in names else names[0]
+        # the builder's GatherBlockQuantized reads a tied table from the LM head's tensors; mobius's
+        # tied head reads the embedding's
+        name = _TABLE if mobius and _TABLE in names else _HEAD if _HEAD in names else names[0]
         tied_quantized = tied_quantized or (_HEAD in names and _TABLE in names)
+        table_quantized = table_quantized or _TABLE in names
         module = _module_of(name)
         rows, nb = spec.rows, spec.n_blocks
         tensors[f"{module}.qweight"] = value.qweight.reshape(rows, -1).contiguous()
@@ -180,7 +211,8 @@ def write_olive(model: nn.Module, dest: Path, *, source: Path) -> OliveCheckpoin
             zp = value.qzeros.reshape(rows, nb).cpu().numpy()
         else:
             zp = np.full((rows, nb), 2 ** (spec.bits - 1), np.uint8)
-        tensors[f"{module}.qzeros"] = torch.from_numpy(pack_zero_points(zp, spec.bits))
+        if not (mobius and all_sym):  # mobius: a symmetric model has no zero points
+            tensors[f"{module}.qzeros"] = torch.from_numpy(pack_zero_points(zp, spec.bits))
         specs[module] = (spec.bits, spec.group_size)
     save_file(tensors, str(dest / SAFETENSORS), metadata={"format": "pt"})
     config = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
@@ -188,13 +220,18 @@ def write_olive(model: nn.Module, dest: Path, *, source: Path) -> OliveCheckpoin
     options: dict[str, str] = {}
     if specs:
         (bits, group), _ = Counter(specs.values()).most_common(1)[0]
-        overrides = {m: {"bits": b, "group_size": g} for m, (b, g) in sorted(specs.items()) if (b, g) != (bits, group)}
-        config["quantization_config"] = {"quant_method": QUANT_METHOD, "bits": bits, "group_size": group,
-                                         "overrides": overrides}
-        if _mixed_qkv(specs):
-            options["fuse_qkv"] = "false"
-        if _module_of(_HEAD) not in specs:  # a float head stays float (the builder would round it itself)
-            options["nodes_to_exclude"] = "/lm_head/MatMul" + (",/model/embed_tokens/Gather" if tied else "")
+        qc: dict[str, Any] = {"quant_method": QUANT_METHOD, "bits": bits, "group_size": group}
+        if mobius:
+            qc |= {"sym": all_sym, "lm_head": _module_of(_HEAD) in specs or tied_quantized,
+                   "embeds": table_quantized, "tie_word_embeddings": tied}
+        else:
+            qc["overrides"] = {m: {"bits": b, "group_size": g} for m, (b, g) in sorted(specs.items())
+                               if (b, g) != (bits, group)}
+            if _mixed_qkv(specs):
+                options["fuse_qkv"] = "false"
+            if _module_of(_HEAD) not in specs:  # a float head stays float (the builder would round it itself)
+                options["nodes_to_exclude"] = "/lm_head/MatMul" + (",/model/embed_tokens/Gather" if tied else "")
+        config["quantization_config"] = qc
     config["tie_word_embeddings"] = bool(tied)
     (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
     for f in companion_files(Path(source)):
