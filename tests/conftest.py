@@ -6,8 +6,10 @@ them (``shutil.copytree``) before changing anything.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +27,7 @@ from bitpress.plugins import Registry
 # `make test` points at the project's .bitpress-envs (built by `make envs`).
 TEST_ENVS = os.environ.get("BITPRESS_TEST_ENVS")
 os.environ["BITPRESS_ENVS"] = tempfile.mkdtemp(prefix="bitpress-test-envs-")
+atexit.register(shutil.rmtree, os.environ["BITPRESS_ENVS"], ignore_errors=True)
 
 
 # Small enough that each builds in milliseconds, large enough that every weight is >= 1 KiB

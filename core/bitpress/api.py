@@ -13,6 +13,7 @@ from bitpress.onnx.save import SaveOptions
 from bitpress.options import as_dict
 from bitpress.passes import Pass
 from bitpress.plugins import Registry, canonical_precision, get_registry
+from bitpress.sweep.runner import SweepResult  # also makes `bitpress.sweep(...)` callable after `import bitpress`
 from bitpress.workflow import (
     PassStep,
     RunResult,
@@ -50,6 +51,7 @@ def quantize(
     save_config: str | Path | None = None,
     strict: bool = True,
     isolate: bool = False,
+    executor: Any = None,
 ) -> RunResult:
     """Quantize ``model`` with the pass that provides ``algorithm`` at ``precision``.
 
@@ -68,9 +70,14 @@ def quantize(
     ``strict=False`` coerces strings instead, as ``--option k=v`` does (what the CLI passes).
     ``isolate`` (``--isolate``): run the pass in a worker process of this environment, so a
     native crash (abort, segfault) is a clean error; the pass must come from an installed plugin.
+    ``executor`` (``--executor``): where per-tensor work runs: ``"threads"`` (default), ``"ray"``
+    (a local Ray runtime) or ``{"type": "ray", "address": "auto"}`` (see :mod:`bitpress.executors`).
     """
+    from bitpress.executors import ExecutorSpec
+
     registry = registry or get_registry()
     model_path = Path(model)
+    spec = None if executor is None else ExecutorSpec.from_value(executor)
     cls = _select(registry, algorithm, precision, model_path)
     precision = canonical_precision(cls, precision)
     step = PassStep(cls.from_config(options or {}, precision, strict=strict), f"{algorithm}/{precision or '-'}")
@@ -83,7 +90,7 @@ def quantize(
         input=model_path, output=Path(output), steps=[step], components=components, jobs=jobs,
         overwrite=overwrite,
         save=SaveOptions(external_data=external_data, max_shard_size=max_shard_size, check=check),
-        data=None if data is None else DataConfig.from_value(data), isolate=bool(isolate),
+        data=None if data is None else DataConfig.from_value(data), isolate=bool(isolate), executor=spec,
     )
     config_path = None if save_config is None else Path(save_config)
     if config_path is not None:
@@ -233,6 +240,7 @@ def run(
     progress: Any = None,
     registry: Registry | None = None,
     isolate: bool = False,
+    executor: Any = None,
 ) -> RunResult:
     """Run a workflow config (a mapping, or a JSON/YAML file).
 
@@ -240,7 +248,8 @@ def run(
     given (``None``: as the config says): ``overwrite`` (``--overwrite``), ``jobs``,
     ``external_data`` (True ``--external-data``, False ``--single-file``), ``max_shard_size``
     (bytes), ``check=False`` (``--no-check``), ``data``, ``env_timeout``; ``isolate=True``
-    (``--isolate``) runs every pass in a worker process, as ``isolate: true`` does for one pass.
+    (``--isolate``) runs every pass in a worker process, as ``isolate: true`` does for one pass;
+    ``executor`` (``--executor``) replaces the config's ``executor:``.
     """
     config = dict(config) if isinstance(config, dict) else load_config(Path(config))
     if overwrite is not None:
@@ -256,6 +265,8 @@ def run(
         config["data"] = data
     if env_timeout is not None:
         config["env_timeout"] = env_timeout
+    if executor is not None:
+        config["executor"] = executor.to_json() if hasattr(executor, "to_json") else executor
     wf = build_workflow(config, registry)
     if isolate:
         wf.isolate = True
@@ -300,3 +311,30 @@ def evaluate(
         quantized, reference, data=data, samples=samples, seq_len=seq_len, batch=batch, seed=seed, text=text,
         tokenizer=tokenizer, max_windows=max_windows, threads=n, weights=weights, progress=progress,
     )
+
+
+def sweep(
+    config: dict[str, Any] | str | Path,
+    *,
+    output: str | Path | None = None,
+    executor: Any = None,
+    address: str | None = None,
+    jobs: int | None = None,
+    fresh: bool = False,
+    progress: Any = None,
+    registry: Registry | None = None,
+) -> SweepResult:
+    """Run a sweep config (a mapping, or a YAML / JSON file): every model x pass x grid point.
+
+    The CLI's ``sweep`` flags, by name: ``output`` (``-o``, over the config's ``output``),
+    ``executor`` (``--executor``: ``"threads"``, ``"ray"`` or ``{"type": "ray", "address": ...}``),
+    ``address`` (``--address``: a Ray cluster, implies ray), ``jobs`` (``--jobs``: jobs at once),
+    ``fresh`` (``--fresh``: rerun the jobs done before too). The whole config is validated first
+    (:class:`~bitpress.errors.ConfigError` and the other errors of a workflow config); a job that
+    fails is a row with its reason, not an error. Returns a :class:`~bitpress.sweep.runner.SweepResult`
+    (``rows``, ``pareto``, ``report``; ``to_json()``). See docs/sweep.md.
+    """
+    from bitpress.sweep.runner import sweep as run_sweep
+
+    return run_sweep(config, output=output, executor=executor, address=address, jobs=jobs, fresh=fresh,
+                     progress=progress, registry=registry)

@@ -167,16 +167,18 @@ def _parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("export", help="a Hugging Face model (float or quantized) to ONNX or an ONNX Runtime "
                                       "GenAI package")
-    x.add_argument("model", type=Path, help="a Hugging Face folder (float, or written by a bitpress *_hf pass)")
+    x.add_argument("model", type=Path, help="a Hugging Face folder (float, or written by a bitpress *_hf pass), "
+                                            "or a .gguf file (bitpress[gguf])")
     x.add_argument("-o", "--output", required=True, type=Path, help="output folder (mirrors the input's name)")
     x.add_argument("--runtime", choices=("genai", "onnx"), default="genai",
-                   help="genai: a GenAI package by the builder (KV cache, genai_config.json); onnx: bitpress's "
+                   help="genai: a GenAI package by a real exporter (KV cache, genai_config.json); onnx: bitpress's "
                         "own graph without KV cache (hf_to_onnx)")
-    x.add_argument("--exporter", choices=("builder",), default="builder",
-                   help="genai: python -m onnxruntime_genai.models.builder")
+    x.add_argument("--exporter", choices=("builder", "mobius"), default="builder",
+                   help="genai: builder (python -m onnxruntime_genai.models.builder) or mobius (mobius build)")
     x.add_argument("--dtype", choices=("auto", "f32", "f16", "bf16"), default="auto",
-                   help="genai, float checkpoints: weights and activations (auto: f32)")
-    x.add_argument("--ep", default="cpu", help="genai: execution provider (cpu, cuda, dml, webgpu, NvTensorRtRtx)")
+                   help="genai: weights and activations (auto: f32; the builder: float checkpoints only)")
+    x.add_argument("--ep", default="cpu", help="genai: execution provider (builder: cpu, cuda, dml, webgpu, "
+                                                "NvTensorRtRtx; mobius: default, cpu, cuda, dml, webgpu, trt-rtx, ...)")
     x.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the export pass (see `passes show hf_to_genai`); repeatable")
     x.add_argument("--overwrite", action="store_true", help="replace an existing output")
@@ -189,6 +191,20 @@ def _parser() -> argparse.ArgumentParser:
     pb.add_argument("--overwrite", action="store_true", help="replace cells that exist")
     pb.add_argument("--json", action="store_true", help="print the result as JSON")
     pb.set_defaults(func=_cmd_publish)
+
+    sw = sub.add_parser("sweep", help="every model x pass x grid point of a config, in parallel: outputs, "
+                                      "errors and the size / error Pareto front (report.html)")
+    sw.add_argument("config", type=Path, help="YAML or JSON: models, passes, grid, eval, output (see docs/sweep.md)")
+    sw.add_argument("-o", "--output", type=Path, help="the sweep's folder (default: the config's output)")
+    sw.add_argument("--executor", choices=("threads", "ray"),
+                    help="threads: each job in a child process here (default); ray: each job a Ray task")
+    sw.add_argument("--address", help="ray: the cluster to join (auto, ray://HOST:PORT); implies --executor ray "
+                                      "(default: a local Ray runtime)")
+    sw.add_argument("--jobs", type=int, help="jobs at once (default: the config's jobs, else half the cores; "
+                                             "ray: the local runtime's CPUs)")
+    sw.add_argument("--fresh", action="store_true", help="rerun every job, also those results.jsonl has as done")
+    sw.add_argument("--json", action="store_true", help="print the result as JSON")
+    sw.set_defaults(func=_cmd_sweep)
 
     v = sub.add_parser("verify", help="check a package against its bitpress-manifest.json (missing, truncated or "
                                       "changed files)")
@@ -247,7 +263,12 @@ class _Deprecated(argparse.Action):
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--jobs", type=int, help="worker threads (default: all cores)")
+    p.add_argument("--jobs", type=int, help="worker threads (default: all cores); with --executor ray and no "
+                   "--address, the CPUs of the local Ray runtime")
+    p.add_argument("--executor", choices=("threads", "ray"),
+                   help="where per-tensor work runs: threads here (default) or Ray tasks (bitpress[ray])")
+    p.add_argument("--address", help="with --executor ray: the cluster to join (auto, ray://HOST:PORT); "
+                   "default: a local Ray runtime for this run")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     ext = p.add_mutually_exclusive_group()
     ext.add_argument("--external-data", dest="external_data", action="store_true", default=None,
@@ -448,6 +469,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, external_data=args.external_data,
         max_shard_size=args.max_shard_size, check=not args.no_check, data=_data(args), progress=_progress,
         env_timeout=args.env_timeout, save_config=args.save_config, isolate=args.isolate,
+        executor=_executor(args),
     )
     _report(result, args.json, args.show_weights)
     return EXIT_OK
@@ -457,10 +479,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from bitpress.api import run
 
     step: dict[str, Any] = {"type": "hf_to_onnx"}
-    if args.runtime == "genai":
+    if Path(args.model).suffix.lower() == ".gguf":  # the gguf plugin's conversion (bitpress[gguf])
+        if args.runtime != "genai" or args.exporter != "builder" or args.dtype != "auto":
+            raise UsageError("a .gguf file is exported as a GenAI package by gguf_to_genai: only --ep and --option")
+        step = {"type": "gguf_to_genai", "ep": args.ep}
+    elif args.runtime == "genai":
         step = {"type": "hf_to_genai", "exporter": args.exporter, "dtype": args.dtype, "ep": args.ep}
-    elif args.dtype != "auto" or args.ep != "cpu":
-        raise UsageError("--dtype and --ep apply to --runtime genai")
+    elif args.dtype != "auto" or args.ep != "cpu" or args.exporter != "builder":
+        raise UsageError("--exporter, --dtype and --ep apply to --runtime genai")
     step.update(_typed_options(step["type"], _parse_kv(args.option)))
     result = run({"input": str(args.model), "output": str(args.output), "passes": [step]},
                  overwrite=args.overwrite or None, progress=_progress)
@@ -477,12 +503,47 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     else:
         for c in res.cells:
             line = f"  {c.folder:<28} {c.status:<7} {c.seconds:6.1f} s"
+            if c.eval and c.eval.get("perplexity") is not None:
+                line += f"  perplexity {c.eval['perplexity']:.3f} ({c.eval['perplexity_change']:+.2%})"
             print(line + (f"  {c.reason}" if c.reason else ""))
         ok = len(res.cells) - len(res.failed)
         print(f"wrote {ok} of {len(res.cells)} packages under {res.output} (index: {res.output / INDEX})")
     if res.failed:
         print(f"bitpress: error: {len(res.failed)} cell(s) failed: {', '.join(c.folder for c in res.failed)}",
               file=sys.stderr)
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from bitpress.api import sweep
+
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs: expected a positive number of jobs at once, got {args.jobs}")
+    res = sweep(args.config, output=args.output, executor=args.executor, address=args.address, jobs=args.jobs,
+                fresh=args.fresh, progress=_progress)
+    if args.json:
+        print(json.dumps(res.to_json(), indent=2))
+    else:
+        from bitpress.sweep.report import METRIC_TITLES, X_TITLES, number
+
+        print(f"sweep: {len(res.rows)} job(s): {res.ran} run, {res.skipped} skipped (done before), "
+              f"{len(res.failed)} failed; {res.seconds:.1f} s")
+        unit = "bpw" if res.x_metric == "bits_per_weight" else "bytes"
+        if res.pareto:
+            print(f"Pareto-optimal ({X_TITLES[res.x_metric]} vs {METRIC_TITLES.get(res.metric, res.metric)}):")
+        for name, rows in res.pareto.items():
+            best = sorted(rows, key=lambda r: number(r.get(res.x_metric)) or 0.0)
+            text = ", ".join(
+                f"{r['label']} ({number(r.get(res.x_metric)) or 0:.4g} {unit}, "
+                f"{number((r.get('metrics') or {}).get(res.metric)) or 0:.3g})" for r in best)
+            print(f"  {name}: {text}")
+        for r in res.failed:
+            print(f"  failed {r['id']} ({r['label']}, {res.names.get(r['model'], r['model'])}): {r['error']}")
+        print(f"report: {res.report}  rows: {res.results}")
+    if res.failed:
+        print(f"bitpress: error: {len(res.failed)} of {len(res.rows)} job(s) failed (their reasons are in "
+              f"{res.results}); fix them and rerun: the jobs done are skipped", file=sys.stderr)
         return EXIT_FAIL
     return EXIT_OK
 
@@ -519,6 +580,17 @@ def _typed_options(pass_name: str, values: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+def _executor(args: argparse.Namespace) -> Any:
+    """``--executor`` / ``--address`` as an executor setting (None: the config's, or threads)."""
+    from bitpress.errors import UsageError
+
+    if args.address and args.executor != "ray":
+        raise UsageError("--address needs --executor ray")
+    if args.executor is None:
+        return None
+    return {"type": args.executor, **({"address": args.address} if args.address else {})}
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from bitpress.api import run
 
@@ -530,7 +602,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     result = run(
         args.config, overwrite=True if args.overwrite else None, jobs=args.jobs, external_data=args.external_data,
         max_shard_size=args.max_shard_size, check=False if args.no_check else None, data=_data(args),
-        env_timeout=args.env_timeout, progress=_progress, isolate=args.isolate,
+        env_timeout=args.env_timeout, progress=_progress, isolate=args.isolate, executor=_executor(args),
     )
     _report(result, args.json, args.show_weights)
     return EXIT_OK
@@ -653,6 +725,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(reports if len(reports) > 1 else reports[0], indent=2))
         return EXIT_OK
     for rep in reports:
+        if "nodes" not in rep:  # another kind of model (a plugin's): its own lines, or its kind
+            print(f"{rep['model']}: {rep['kind']} model")
+            for line in rep.get("lines", []):
+                print(f"  {line}")
+            continue
         print(f"{rep['model']}: {rep['nodes']} nodes, checker: {rep['checker']}")
         print("  opsets: " + ", ".join(f"{k} {v}" for k, v in rep["opsets"].items()))
         print("  ops: " + ", ".join(f"{k} x{v}" for k, v in rep["ops"].items()))

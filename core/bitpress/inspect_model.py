@@ -65,4 +65,7 @@ def inspect_path(model: Any, *, check: bool = True) -> list[dict[str, Any]]:
         return [inspect_onnx(model.component(rel), check=check) for rel in model.onnx_files]
     if isinstance(model, OnnxModel):
         return [inspect_onnx(model, check=check)]
+    own = getattr(model, "inspect", None)  # a plugin's model kind reports itself (``lines`` to print)
+    if callable(own):
+        return [own()]
     return [{"model": str(getattr(model, "source", Path("?"))), "kind": model.kind}]

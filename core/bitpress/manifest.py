@@ -77,6 +77,15 @@ def write_manifest(folder: Path, *, made: dict[str, Any] | None = None, evaluati
     return out
 
 
+def add_evaluation(folder: Path, evaluation: dict[str, Any]) -> Path:
+    """Record ``evaluation`` (figures of ``bitpress eval``) in ``folder``'s manifest; its file list stays."""
+    path = Path(folder) / MANIFEST
+    data = json.loads(path.read_text())
+    data["eval"] = evaluation
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return path
+
+
 @dataclass
 class VerifyResult:
     folder: Path

@@ -80,10 +80,12 @@ class PassContext:
     jobs: worker threads for per-tensor work. progress: wraps an iterable with a progress bar
     (the CLI installs tqdm; the library default shows nothing). workdir: a scratch folder on
     the output's file system, removed after the run. data: calibration data settings, for
-    passes that need data.
+    passes that need data. executor: where per-tensor work runs (a
+    :class:`bitpress.executors.ExecutorSpec`; None: ``jobs`` threads here).
     """
 
     jobs: int = field(default_factory=lambda: os.cpu_count() or 1)
+    executor: Any = None
     workdir: Path | None = None
     data: dict[str, Any] | None = None
     progress: Callable[..., Iterable[Any]] = _no_progress
@@ -115,6 +117,8 @@ class Pass(ABC):
     #: the kind of model the pass returns when it converts (e.g. an export); None: unchanged
     output_kind: ClassVar[str | None] = None
     needs_data: ClassVar[bool] = False
+    #: the pass hands its per-tensor work to ``context.executor`` (Ray tasks with ``--executor ray``)
+    distributes: ClassVar[bool] = False
     Options: ClassVar[type] = NoOptions
     summary: ClassVar[str] = ""
     #: importable modules the pass needs at run time (checked without importing them)

@@ -55,6 +55,8 @@ class Workflow:
     data: Any = None  # a bitpress.data.DataConfig for passes that use calibration data
     #: run every pass in a worker process (``--isolate``): a native crash becomes a clean error
     isolate: bool = False
+    #: where per-tensor work runs (``executor:``, ``--executor``): a bitpress.executors.ExecutorSpec; None: threads
+    executor: Any = None
 
 
 @dataclass
@@ -233,7 +235,7 @@ def load_config(path: Path) -> dict[str, Any]:
 
 
 _TOP_KEYS = {"input", "output", "passes", "components", "jobs", "overwrite", "save", "data", "env_timeout",
-             "input_model", "output_dir"}
+             "input_model", "output_dir", "executor"}
 _SAVE_KEYS = {"external_data": bool | None, "max_shard_size": int | None, "check": bool}
 _DATA_KEYS = {"source": str, "samples": int, "seq_len": int, "batch": int, "tokenizer": str | None, "seed": int}
 
@@ -302,6 +304,20 @@ def _timeout(value: Any, where: str) -> float | None:
     if not seconds > 0:
         raise ConfigError(f"{where}: expected a positive number of seconds, got {_kind(value)}")
     return seconds
+
+
+def _executor(value: Any) -> Any:
+    """``executor: threads | ray | {type: ray, address: auto, max_retries: 3}`` (None: threads)."""
+    from bitpress.executors import ExecutorSpec
+
+    if value is None:
+        return None
+    try:
+        return ExecutorSpec.from_value(value)
+    except UsageError as exc:
+        raise ConfigError(f"executor: {exc}") from None
+    except TypeError:
+        raise ConfigError(f"executor: expected threads, ray or a mapping with a type, got {_kind(value)}") from None
 
 
 def _data(value: Any) -> Any:
@@ -381,6 +397,7 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
     if not src or not dst:
         raise ConfigError("the config needs 'input' (a model) and 'output' (where to write it)")
     jobs = check_jobs(config.get("jobs"))
+    executor = _executor(config.get("executor"))
     overwrite = config.get("overwrite")
     overwrite = False if overwrite is None else _typed(overwrite, bool, "overwrite")
     default_timeout = _timeout(config.get("env_timeout"), "env_timeout")
@@ -445,7 +462,7 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
         steps.append(PassStep(pass_, label, isolate=isolate))
     return Workflow(
         input=Path(src), output=Path(dst), steps=steps, components=comps,
-        jobs=jobs, overwrite=overwrite, save=save_opts, data=data,
+        jobs=jobs, overwrite=overwrite, save=save_opts, data=data, executor=executor,
     )
 
 
@@ -538,7 +555,7 @@ def run_workflow(
         raise
     tmp = target.parent / f".{target.name}.bitpress-{uuid.uuid4().hex[:8]}"
     lock = output.OutputLock(target, wf.output)
-    context = PassContext(workdir=tmp / "scratch", data=wf.data)
+    context = PassContext(workdir=tmp / "scratch", data=wf.data, executor=wf.executor)
     if jobs:
         context.jobs = jobs
     if progress is not None:
@@ -558,9 +575,11 @@ def run_workflow(
                 files = _run_package(model, wf, registry, context, payload, seconds)
                 staged = payload
             else:
-                name = wf.output.name if not folder_out else src.name
-                dest = payload / name
                 model = _run_passes(model, wf, registry, context, seconds)
+                name = wf.output.name if not folder_out else src.name
+                if folder_out and src.is_file() and getattr(model, "kind", "") == "genai-package":
+                    name = src.stem  # a file (a .gguf) become a package folder: not a folder named like a file
+                dest = payload / name
                 t0 = time.perf_counter()
                 files = _save(registry, model, dest, wf.save)
                 _note_checker(context, model, dest)
@@ -618,6 +637,9 @@ def _run_passes(
             model.use_workdir(context.workdir)
         t0 = time.perf_counter()
         log.info("running %s (%s)%s", step.pass_.name, step.label, f" on {prefix}" if prefix else "")
+        if getattr(context.executor, "type", "threads") != "threads" and not step.pass_.distributes:
+            log.warning("%s: pass %s runs on this machine (the %s executor takes the weight-only passes' "
+                        "per-tensor work; docs/scaling.md)", step.label, step.pass_.name, context.executor.type)
         if (wf.isolate or step.isolate) and not isinstance(step.pass_, EnvPass):
             # in a worker process of this environment: an abort or a segfault there is a clean error here
             # (passes of plugin environments always run in a worker of their own)

@@ -49,7 +49,12 @@ def resolve_model(path: str | Path, what: str) -> ModelFile:
     if path.is_file():
         return ModelFile(path, path.parent, _genai_config(path.parent))
     genai = _genai_config(path)
-    filename = (((genai or {}).get("model") or {}).get("decoder") or {}).get("filename")
+    decoder = ((genai or {}).get("model") or {}).get("decoder") or {}
+    if decoder.get("pipeline") and not decoder.get("filename"):
+        stages = ", ".join(str(next(iter(s), "?")) for s in decoder["pipeline"] if isinstance(s, dict))
+        raise UsageError(f"{path} is a decoder-pipeline package ({stages}): bitpress eval runs one decoder model; "
+                         "evaluate the package built without split_embedding (the same weights)")
+    filename = decoder.get("filename")
     if filename:
         file = path / paths.check_name(filename, f"{GENAI_CONFIG} model.decoder.filename")
         if not file.is_file():

@@ -34,6 +34,13 @@ class CalibratedHfOptions(HfQuantOptions):
         True, "inputs of each decoder block from the model whose earlier blocks are already quantized; "
         "false: the float model's (faster, usually a little worse)"
     )
+    stream: bool = option(False, "calibration runs the model forward, so it is always loaded whole: must be false")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.stream:
+            raise ValueError("stream: a calibrated pass runs the model on its calibration data, so it loads the "
+                             "whole model; leave stream false (rtn_hf / kquant_hf stream)")
 
 
 def check_float_model(model: HfModel, pass_name: str) -> None:
@@ -65,6 +72,7 @@ class CalibratedHfPass(HfQuantPass):
     """A weight-only pass whose solver sees its inputs' statistics on the calibration data."""
 
     needs_data: ClassVar[bool] = True
+    distributes: ClassVar[bool] = False  # forward passes, layer by layer, on this machine
     Options: ClassVar[type] = CalibratedHfOptions
 
     def method(self) -> Method:
@@ -98,7 +106,7 @@ class CalibratedHfPass(HfQuantPass):
         with context.step(len(p.jobs), "quantizing") as advance:
             report = quantize_calibrated(torch_model, p, method, batches, sequential=opts.sequential,
                                          jobs=context.jobs, progress=advance)
-        record = {k: v for k, v in asdict(opts).items() if k not in ("trust_remote_code", "allow_pickle")}
+        record = {k: v for k, v in asdict(opts).items() if k not in ("trust_remote_code", "allow_pickle", "stream")}
         model.history.append({"pass": self.name, "options": record})
         context.extras.setdefault("reports", []).append((self.name, model.source, report))
         log.info("%s: %s", self.name, report.summary())

@@ -255,8 +255,17 @@ def save_model(model: nn.Module, dest: Path, *, source: Path | None = None,
     config = getattr(model, "config", None)
     if config is None:
         raise ModelLoadError("the model has no transformers config to save")
+    files.append(write_config(config, dest, modules, tied, history))
+    if source is not None:
+        files += copy_companions(Path(source), dest)
+    return files
+
+
+def write_config(config: Any, dest: Path, modules: dict[str, Any], tied: list[list[str]],
+                 history: list[dict[str, Any]] | None) -> Path:
+    """``dest/config.json``: ``config`` with our ``quantization_config`` (when anything is quantized)."""
     config.save_pretrained(dest)
-    cfg_path = dest / "config.json"
+    cfg_path = Path(dest) / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg.pop("quantization_config", None)
     if modules:
@@ -265,11 +274,15 @@ def save_model(model: nn.Module, dest: Path, *, source: Path | None = None,
             "passes": list(history or []),
         }
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    files.append(cfg_path)
-    if source is not None:
-        for f in companion_files(Path(source)):
-            target = dest / f.name
-            if not target.exists():
-                copy_companion(Path(source), f, target)
-                files.append(target)
+    return cfg_path
+
+
+def copy_companions(source: Path, dest: Path) -> list[Path]:
+    """Copy the companion files of ``source`` (tokenizer, ...) into ``dest``, leaving files already there."""
+    files = []
+    for f in companion_files(source):
+        target = Path(dest) / f.name
+        if not target.exists():
+            copy_companion(source, f, target)
+            files.append(target)
     return files

@@ -367,41 +367,53 @@ class _Solved:
     error: float
 
 
-def _solve(job: Job, solver: BlockSolver) -> _Solved:
-    s = job.settings
-    w = job.param.detach().to(torch.float32).reshape(-1, job.param.shape[-1]).numpy()
-    rows, k = w.shape
+def solve_rows(read: Callable[[int, int], np.ndarray], rows: int, k: int, s: Settings, zero_points: str,
+               name: str, solver: BlockSolver) -> tuple[QuantizedBlocks, float]:
+    """Quantize a weight of ``rows`` rows of ``k`` values, read ``read(r0, r1)`` rows at a time (float32).
+
+    The one solve of both paths: the in-memory one reads rows of the parameter, the streaming one
+    (:mod:`bitpress.hf.streaming`) reads them from the checkpoint file. Rows are handed to the
+    solver in chunks of about :data:`CHUNK_ELEMENTS` values; returns the unpacked blocks
+    (``q`` ``[rows, n_blocks, group_size]``) and the relative weight error.
+    """
     bs = s.group_size
     n_blocks = -(-k // bs)
-    spec = BlockSpec(s.bits, bs, s.symmetric, job.zero_points == "float")
+    spec = BlockSpec(s.bits, bs, s.symmetric, zero_points == "float")
     q = np.empty((rows, n_blocks, bs), np.uint8)
     scales = np.empty((rows, n_blocks), np.float32)
-    zps = None if s.symmetric else np.empty((rows, n_blocks), np.float32 if job.zero_points == "float" else np.uint8)
+    zps = None if s.symmetric else np.empty((rows, n_blocks), np.float32 if zero_points == "float" else np.uint8)
     num = den = 0.0
     step = max(1, CHUNK_ELEMENTS // (n_blocks * bs))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
+        w = read(r0, r1)
         chunk = np.zeros((r1 - r0, n_blocks * bs), np.float32)
-        chunk[:, :k] = w[r0:r1]
+        chunk[:, :k] = w
         if not np.isfinite(chunk).all():
-            raise QuantizationError(f"{job.name} holds NaN or infinite values; cannot quantize it")
+            raise QuantizationError(f"{name} holds NaN or infinite values; cannot quantize it")
         w3 = chunk.reshape(r1 - r0, n_blocks, bs)
         res = solver(w3, spec, None)
         if res.q.shape != w3.shape or res.q.dtype != np.uint8 or (res.q.size and int(res.q.max()) >= 2**s.bits):
-            raise QuantizationError(f"the block solver returned malformed integers for {job.name}")
+            raise QuantizationError(f"the block solver returned malformed integers for {name}")
         q[r0:r1], scales[r0:r1] = res.q, res.scales
         if zps is not None:
             if res.zero_points is None:
-                raise QuantizationError(f"the block solver returned no zero points for asymmetric {job.name}")
+                raise QuantizationError(f"the block solver returned no zero points for asymmetric {name}")
             zps[r0:r1] = res.zero_points
         deq = (res.q.astype(np.float32) - res.implied_zero_points(s.bits)[..., None]) * res.scales[..., None]
         with np.errstate(over="ignore", invalid="ignore"):  # huge finite weights: no warning, sums in float64
             diff = (deq - w3).reshape(r1 - r0, -1)[:, :k]
             num += float(np.einsum("ij,ij->", diff, diff, dtype=np.float64))
-            den += float(np.einsum("ij,ij->", w[r0:r1], w[r0:r1], dtype=np.float64))
-    qspec = QuantSpec(s.bits, bs, s.symmetric, tuple(job.param.shape), job.param.dtype, job.zero_points)
-    tensor = QuantTensor.from_blocks(QuantizedBlocks(q, scales, zps), qspec)
-    return _Solved(job, tensor, (num / den) ** 0.5 if den else 0.0)
+            den += float(np.einsum("ij,ij->", w, w, dtype=np.float64))
+    return QuantizedBlocks(q, scales, zps), (num / den) ** 0.5 if den else 0.0
+
+
+def _solve(job: Job, solver: BlockSolver) -> _Solved:
+    w = job.param.detach().to(torch.float32).reshape(-1, job.param.shape[-1]).numpy()
+    s = job.settings
+    blocks, error = solve_rows(lambda r0, r1: w[r0:r1], w.shape[0], w.shape[1], s, job.zero_points, job.name, solver)
+    qspec = QuantSpec(s.bits, s.group_size, s.symmetric, tuple(job.param.shape), job.param.dtype, job.zero_points)
+    return _Solved(job, QuantTensor.from_blocks(blocks, qspec), error)
 
 
 def apply(model: nn.Module, p: Plan, solver: BlockSolver, *, jobs: int = 1,

@@ -173,6 +173,10 @@ class HfQuantOptions:
     allow_pickle: bool = option(
         False, "allow loading .bin/.pt pickled weights (runs arbitrary code from the file: trusted sources only)"
     )
+    stream: bool = option(
+        True, "read and write the checkpoint tensor by tensor; false: load the whole model (the output is the "
+        "same; passes that calibrate always load it)"
+    )
 
     def defaults(self) -> Settings:
         return Settings(self.bits, self.group_size, self.sym)

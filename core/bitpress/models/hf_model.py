@@ -46,6 +46,8 @@ class HfModel(ModelHandle):
         self.quantization_config: dict[str, Any] = {}
         #: the passes run on this model, written to quantization_config["passes"]
         self.history: list[dict[str, Any]] = []
+        #: the history of a folder bitpress wrote in full (:meth:`written`): saved by copying its files
+        self._written: list[dict[str, Any]] | None = None
 
     @classmethod
     def load(cls, folder: Path, options: dict[str, Any] | None = None) -> HfModel:
@@ -63,6 +65,21 @@ class HfModel(ModelHandle):
             if not isinstance(passes, list):
                 raise ModelLoadError(f"{folder / 'config.json'}: quantization_config.passes must be a list")
             handle.history = list(passes)
+        return handle
+
+    @classmethod
+    def written(cls, folder: Path, *, history: list[dict[str, Any]], like: HfModel | None = None) -> HfModel:
+        """A handle on a folder bitpress has just written whole (a streaming pass's output, in the run's scratch).
+
+        Not loaded: a pass that needs torch loads it from there, and :meth:`save` copies (hard-links
+        where it can) its files instead of loading and writing them again. ``like``: the handle it was
+        made from (its load opt-ins carry over).
+        """
+        options = {} if like is None else {"trust_remote_code": like.trust_remote_code,
+                                           "allow_pickle": like.allow_pickle}
+        handle = cls(Path(folder), options)
+        handle.history = list(history)
+        handle._written = list(history)
         return handle
 
     def allow(self, *, trust_remote_code: bool = False, allow_pickle: bool = False) -> None:
@@ -86,9 +103,29 @@ class HfModel(ModelHandle):
 
     def save(self, destination: Path) -> list[Path]:
         """Write the (possibly quantized) model as a Hugging Face folder at ``destination``."""
+        if self._model is None and self._written is not None and self._written == self.history:
+            return self._copy_folder(Path(destination))
         from bitpress.hf.checkpoint import save_model
 
         return save_model(self.torch_model(), Path(destination), source=self.source, history=self.history)
+
+    def _copy_folder(self, destination: Path) -> list[Path]:
+        """The files of a folder bitpress wrote, hard-linked (copied across file systems) into ``destination``."""
+        import os
+
+        from bitpress import paths
+
+        destination.mkdir(parents=True, exist_ok=True)
+        files = []
+        for src, real in paths.listdir(self.source, "file in the model folder"):
+            target = destination / src.name
+            try:
+                os.link(real, target)
+            except OSError:  # another file system, or links not allowed: the bytes
+                paths.copy_inside(self.source, src, target, "file in the model folder")
+            files.append(target)
+        order = {"config.json": 1}
+        return sorted(files, key=lambda f: (0 if f.name.endswith(".safetensors") else order.get(f.name, 2), f.name))
 
     def describe(self) -> str:
         return f"Hugging Face model {self.source}"

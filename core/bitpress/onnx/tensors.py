@@ -171,6 +171,7 @@ _SUB_BYTE_BITS = {
 _UNPACKED_BY_ONNX = set(_SUB_BYTE_BITS) | {
     getattr(onnx.TensorProto, name) for name in ("FLOAT6E2M3", "FLOAT6E3M2") if hasattr(onnx.TensorProto, name)
 }
+UNPACKED_BY_ONNX = frozenset(_UNPACKED_BY_ONNX)
 _KNOWN_TYPES = frozenset(v for v in onnx.TensorProto.DataType.values() if v != onnx.TensorProto.UNDEFINED)
 _COMPLEX = {onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128}
 
@@ -249,6 +250,36 @@ def check_tensor(tensor: onnx.TensorProto) -> None:
         )
 
 
+def file_row_reader(path: str | Path, offset: int, shape: tuple[int, ...], dtype: np.dtype,
+                    name: str) -> Callable[..., np.ndarray]:
+    """``read(r0, r1, out=None)`` -> rows ``r0:r1`` (first axis) of the C-order tensor of ``shape`` and
+    ``dtype`` stored at byte ``offset`` of the file ``path``, read with ``pread`` (see
+    :meth:`ExternalResolver.row_reader`). Module-level, so a worker process can read a weight from
+    where it lies on disk (:class:`bitpress.onnx.weightonly.reading.TensorSource`)."""
+    row_elems = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    row_bytes = row_elems * dtype.itemsize
+
+    def read(r0: int, r1: int, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            out = np.empty((r1 - r0, *shape[1:]), dtype)
+        elif out.dtype != dtype or out.shape != (r1 - r0, *shape[1:]) or not out.flags.c_contiguous:
+            raise ValueError(f"read buffer {out.dtype}{out.shape} does not fit rows {r0}:{r1} of {name!r}")
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done, want, pos = 0, (r1 - r0) * row_bytes, offset + r0 * row_bytes
+            while done < want:
+                n = os.preadv(fd, [view[done:]], pos + done)
+                if n <= 0:
+                    raise ModelLoadError(f"external data of {name!r} in {path} is truncated")
+                done += n
+        finally:
+            os.close(fd)
+        return out
+
+    return read
+
+
 class ExternalResolver:
     """Maps external locations to files: the model's folder plus scratch files of passes."""
 
@@ -295,32 +326,9 @@ class ExternalResolver:
         """
         dtype = np_dtype(tensor)
         shape = tuple(int(d) for d in tensor.dims)
-        row_elems = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
         if is_external(tensor) and tensor.data_type not in _UNPACKED_BY_ONNX:
             path, ref = self.path(tensor)
-            row_bytes = row_elems * dtype.itemsize
-
-            def read(r0: int, r1: int, out: np.ndarray | None = None) -> np.ndarray:
-                if out is None:
-                    out = np.empty((r1 - r0, *shape[1:]), dtype)
-                elif out.dtype != dtype or out.shape != (r1 - r0, *shape[1:]) or not out.flags.c_contiguous:
-                    raise ValueError(
-                        f"read buffer {out.dtype}{out.shape} does not fit rows {r0}:{r1} of {tensor.name!r}"
-                    )
-                view = memoryview(out.reshape(-1).view(np.uint8))
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    done, want, pos = 0, (r1 - r0) * row_bytes, ref.offset + r0 * row_bytes
-                    while done < want:
-                        n = os.preadv(fd, [view[done:]], pos + done)
-                        if n <= 0:
-                            raise ModelLoadError(f"external data of {tensor.name!r} in {path} is truncated")
-                        done += n
-                finally:
-                    os.close(fd)
-                return out
-
-            return read
+            return file_row_reader(path, ref.offset, shape, dtype, tensor.name)
         if tensor.HasField("raw_data") and tensor.data_type not in _UNPACKED_BY_ONNX:
             full = np.frombuffer(tensor.raw_data, dtype=dtype).reshape(shape)
         else:

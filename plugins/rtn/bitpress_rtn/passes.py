@@ -63,6 +63,7 @@ class Bnb4Pass(WeightOnlyPass):
     summary = "4-bit NormalFloat / FP4 codebooks to com.microsoft MatMulBnb4 (float32 models)"
     Options: ClassVar[type] = Bnb4Options
     aliases: ClassVar[tuple[str, ...]] = ("OnnxBnb4Quantization",)
+    distributes: ClassVar[bool] = False  # its own writer, on this machine's threads
 
     def weight_plan(self, model: Any) -> Plan:
         from bitpress_rtn.bnb4_writer import bnb4_plan

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
 from bitpress.errors import QuantizationError
+from bitpress.executors import ExecutorSpec, open_executor
 from bitpress.interrupts import cancel_pending
 from bitpress.memory import trim_heap
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.weightonly.planning import Group, Plan, WeightOnlyOptions, plan
+from bitpress.onnx.weightonly.reading import current_chunk_elements
 from bitpress.onnx.weightonly.report import Estimate, Report, nbits_estimate, planned_report
-from bitpress.onnx.weightonly.solving import Result, solve_group
+from bitpress.onnx.weightonly.solving import Solved, SolveTask, result_of, solve_task, task_of
 from bitpress.onnx.weightonly.writing import Writer
 from bitpress.passes import Pass, PassContext
 from bitpress.quant.solver import BlockSolver, PackingKernel
@@ -43,19 +45,24 @@ def quantize_weights(
         log.warning("no weights to quantize in %s: %s", model.source.name, report.summary())
         return report
     writer = Writer(model, opts.accuracy_level)
-    jobs = max(1, int(context.jobs))
+    spec = ExecutorSpec.from_value(context.executor)
+    remote = spec.type != "threads"
+    # a worker process reads its weight from where it lies (a file range) and must be told the chunk
+    # size; threads share this process's CHUNK_ELEMENTS
+    chunk = current_chunk_elements() if remote else None
 
-    def work(group: Group) -> Result:
-        imp = None
-        if importance is not None:
-            imp = importance.get(group.weight)
-        return solve_group(model, group, solver, float_zero_points, imp, kernel)
+    def task(group: Group) -> SolveTask:
+        imp = importance.get(group.weight) if importance is not None else None
+        return task_of(model, group, float_zero_points, imp, chunk)
 
-    # bounded in-flight work: at most ``jobs + 1`` tensors solved but not yet written
+    # bounded in-flight work: at most ``workers + 1`` tensors solved but not yet written
     # an error or a signal drops the queued tensors; the executor waits only for those being solved
-    with context.step(len(p.groups), "quantizing") as advance, ThreadPoolExecutor(jobs) as pool, \
+    with context.step(len(p.groups), "quantizing") as advance, open_executor(spec, jobs=context.jobs) as pool, \
             cancel_pending(pool):
-        pending: set[Future[Result]] = set()
+        if remote:
+            pool.check_shared(external_files(model, p))
+        jobs = pool.workers
+        pending: dict[Future[Solved], Group] = {}
         todo = iter(sorted(p.groups, key=lambda g: -_numel(model, g)))
         done_all = False
         while pending or not done_all:
@@ -64,12 +71,12 @@ def quantize_weights(
                 if group is None:
                     done_all = True
                     break
-                pending.add(pool.submit(work, group))
+                pending[pool.submit(solve_task, task(group), solver, kernel)] = group
             if not pending:
                 break
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in finished:
-                res = fut.result()
+                res = result_of(pending.pop(fut), fut.result())
                 writer.write(res)  # protobuf edits stay on this thread
                 report.quantized += 1
                 report.weights += res.packed.shape[0] * res.k
@@ -81,6 +88,15 @@ def quantize_weights(
     writer.finish()
     report.stored_bytes = writer.stored_bytes
     return report
+
+
+def external_files(model: OnnxModel, p: Plan) -> list[Path]:
+    """The files holding the planned weights' external data (what remote workers read)."""
+    from bitpress.onnx.tensors import is_external
+
+    inits = model.initializers()
+    files = {model.resolver.path(inits[g.weight])[0] for g in p.groups if is_external(inits[g.weight])}
+    return sorted(files)
 
 
 def log_plan(report: Report, p: Plan, model: OnnxModel) -> None:
@@ -112,6 +128,7 @@ class WeightOnlyPass(Pass):
     Options: ClassVar[type] = WeightOnlyOptions
     #: the solver weights its error by activation statistics when calibration data is given
     uses_importance: ClassVar[bool] = False
+    distributes: ClassVar[bool] = True
 
     def solver(self) -> BlockSolver:
         raise NotImplementedError

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from bitpress.models.onnx_model import OnnxModel
-from bitpress.onnx.tensors import np_dtype
+from bitpress.onnx.tensors import UNPACKED_BY_ONNX, file_row_reader, is_external, np_dtype
 from bitpress.onnx.weightonly.planning import Group
 
 #: float32 elements per chunk handed to a solver (bounds memory per tensor in flight). The knob is
@@ -80,24 +80,64 @@ class _ReadBuffers:
         return out
 
 
-def iter_chunks(model: OnnxModel, group: Group) -> Iterator[Chunk]:
-    """Read a weight in slabs of at most ``CHUNK_ELEMENTS`` elements.
+@dataclass(frozen=True)
+class TensorSource:
+    """Where one weight's values are: a byte range of a file (external data), or the values themselves
+    (a tensor stored inside the .onnx file). Small and picklable: what a solve task carries to a worker
+    process (:mod:`bitpress.executors`), which reads the rows it needs itself."""
 
-    Row-oriented weights (tables, ``[N, K]`` Gemm/Transpose sources) are read as row ranges;
-    ``[K, N]`` MatMul weights as bands of whole blocks along K (contiguous rows of the stored
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name
+    path: str | None = None
+    offset: int = 0
+    values: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, model: OnnxModel, name: str) -> TensorSource:
+        tensor = model.initializers()[name]
+        shape = tuple(int(d) for d in tensor.dims)
+        dtype = np_dtype(tensor)
+        if is_external(tensor) and tensor.data_type not in UNPACKED_BY_ONNX:
+            path, ref = model.resolver.path(tensor)
+            return cls(name, shape, dtype.name, str(path), ref.offset)
+        values = model.resolver.row_reader(tensor)(0, shape[0])
+        return cls(name, shape, dtype.name, values=values)
+
+    def row_reader(self) -> Any:
+        """``read(r0, r1, out=None)``, as :meth:`bitpress.onnx.tensors.ExternalResolver.row_reader`."""
+        if self.path is None:
+            full = self.values
+            assert full is not None
+            return lambda r0, r1, out=None: full[r0:r1]
+        return file_row_reader(self.path, self.offset, self.shape, np.dtype(self.dtype), self.name)
+
+
+def iter_chunks(model: OnnxModel, group: Group) -> Iterator[Chunk]:
+    """:func:`iter_source_chunks` of a planned weight of ``model``."""
+    return iter_source_chunks(TensorSource.of(model, group.weight), group.uses[0].rows_are_table_rows,
+                              group.block_size)
+
+
+def iter_source_chunks(source: TensorSource, by_rows: bool, bs: int,
+                       chunk_elements: int | None = None) -> Iterator[Chunk]:
+    """Read a weight in slabs of at most ``chunk_elements`` (default ``CHUNK_ELEMENTS``) elements.
+
+    Row-oriented weights (``by_rows``: tables, ``[N, K]`` Gemm/Transpose sources) are read as row
+    ranges; ``[K, N]`` MatMul weights as bands of whole blocks along K (contiguous rows of the stored
     tensor). Reads are explicit (no memory map left behind) into buffers reused from chunk to
     chunk, so resident memory stays at a few slabs per worker however large the model. A
     chunk's arrays are valid until the next chunk is asked for.
     """
-    tensor = model.initializers()[group.weight]
-    a, b = (int(d) for d in tensor.dims)
-    bs = group.block_size
-    reader = model.resolver.row_reader(tensor)
-    if group.uses[0].rows_are_table_rows:
+    a, b = source.shape
+    dtype = np.dtype(source.dtype)
+    reader = source.row_reader()
+    limit = chunk_elements if chunk_elements is not None else current_chunk_elements()
+    if by_rows:
         rows, k = a, b
         n_blocks = -(-k // bs)
-        step = max(1, _chunk_elements() // max(k, 1))
-        bufs = _ReadBuffers(np_dtype(tensor), min(rows, step) * k)
+        step = max(1, limit // max(k, 1))
+        bufs = _ReadBuffers(dtype, min(rows, step) * k)
         pad = np.zeros((min(rows, step), n_blocks * bs), np.float32) if n_blocks * bs != k else None
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
@@ -109,8 +149,8 @@ def iter_chunks(model: OnnxModel, group: Group) -> Iterator[Chunk]:
     else:
         k, rows = a, b
         n_blocks = -(-k // bs)
-        blocks_per_step = max(1, _chunk_elements() // max(rows * bs, 1))
-        bufs = _ReadBuffers(np_dtype(tensor), min(n_blocks, blocks_per_step) * bs * rows)
+        blocks_per_step = max(1, limit // max(rows * bs, 1))
+        bufs = _ReadBuffers(dtype, min(n_blocks, blocks_per_step) * bs * rows)
         for b0 in range(0, n_blocks, blocks_per_step):
             b1 = min(n_blocks, b0 + blocks_per_step)
             k0, k1 = b0 * bs, min(k, b1 * bs)
@@ -122,7 +162,8 @@ def iter_chunks(model: OnnxModel, group: Group) -> Iterator[Chunk]:
             yield Chunk(slice(0, rows), slice(b0, b1), band, True, bs, k1 - k0)
 
 
-def _chunk_elements() -> int:
+def current_chunk_elements() -> int:
+    """``bitpress.onnx.weightonly.CHUNK_ELEMENTS`` as it is now (a worker process is told it)."""
     from bitpress.onnx import weightonly
 
     return int(weightonly.CHUNK_ELEMENTS)

@@ -9,9 +9,8 @@ import numpy as np
 from bitpress.errors import QuantizationError
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx import layout
-from bitpress.onnx.tensors import np_dtype
 from bitpress.onnx.weightonly.planning import Group, zero_point_kind
-from bitpress.onnx.weightonly.reading import Chunk, iter_chunks
+from bitpress.onnx.weightonly.reading import Chunk, TensorSource, iter_source_chunks
 from bitpress.quant.solver import (
     BlockSolver,
     BlockSpec,
@@ -70,33 +69,76 @@ class _ErrorSum:
         return (self.num / self.den) ** 0.5 if self.den else 0.0
 
 
+@dataclass(frozen=True)
+class SolveTask:
+    """Everything solving one weight needs, and nothing of the graph: picklable, so a worker
+    process (a Ray task) can solve it and read the weight itself from where it lies."""
+
+    source: TensorSource
+    by_rows: bool  # blocks run along the stored tensor's last axis (tables, [N, K] sources)
+    spec: BlockSpec
+    importance: np.ndarray | None = None  # per input channel, K long
+    chunk_elements: int | None = None  # None: the CHUNK_ELEMENTS of the process solving it
+
+
+@dataclass
+class Solved:
+    """A solve task's answer: packed integers, scales, zero points and the relative error."""
+
+    packed: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+    k: int
+    dtype: np.dtype
+    error: float
+
+
+def task_of(model: OnnxModel, group: Group, float_zero_points: bool, importance: np.ndarray | None = None,
+            chunk_elements: int | None = None) -> SolveTask:
+    """The solve task of a planned weight of ``model``."""
+    # float offsets exist only for 4-bit MatMulNBits: not for Gather, nor for 8 bits on CPU
+    use_float_zp = zero_point_kind(group, float_zero_points) == "float"
+    spec = BlockSpec(group.bits, group.block_size, group.symmetric, use_float_zp)
+    return SolveTask(TensorSource.of(model, group.weight), group.uses[0].rows_are_table_rows, spec, importance,
+                     chunk_elements)
+
+
 def solve_group(
     model: OnnxModel, group: Group, solver: BlockSolver, float_zero_points: bool,
     importance: np.ndarray | None = None, kernel: PackingKernel | None = None,
 ) -> Result:
-    tensor = model.initializers()[group.weight]
-    dtype = np_dtype(tensor)
-    a, b = (int(d) for d in tensor.dims)
-    by_rows = group.uses[0].rows_are_table_rows
-    rows, k = (a, b) if by_rows else (b, a)
-    bs = group.block_size
+    return result_of(group, solve_task(task_of(model, group, float_zero_points, importance), solver, kernel))
+
+
+def result_of(group: Group, solved: Solved) -> Result:
+    """A solved task as the :class:`Result` the writer takes for ``group``."""
+    blocks = QuantizedBlocks(np.empty((*solved.scales.shape, 0), np.uint8), solved.scales, solved.zero_points)
+    return Result(group, blocks, solved.packed, solved.k, solved.dtype, solved.error)
+
+
+def solve_task(task: SolveTask, solver: BlockSolver, kernel: PackingKernel | None = None) -> Solved:
+    """Solve one weight chunk by chunk (module-level: the function a worker process runs)."""
+    src, spec = task.source, task.spec
+    name = src.name
+    dtype = np.dtype(src.dtype)
+    a, b = src.shape
+    rows, k = (a, b) if task.by_rows else (b, a)
+    bs = spec.block_size
     n_blocks = -(-k // bs)
-    # float offsets exist only for 4-bit MatMulNBits: not for Gather, nor for 8 bits on CPU
-    use_float_zp = zero_point_kind(group, float_zero_points) == "float"
-    spec = BlockSpec(group.bits, bs, group.symmetric, use_float_zp)
     # packed chunk by chunk: the result holds bits/8 bytes per weight, not one
-    packed = np.empty((rows, n_blocks, bs * group.bits // 8), np.uint8)
+    packed = np.empty((rows, n_blocks, bs * spec.bits // 8), np.uint8)
     scales = np.empty((rows, n_blocks), np.float32)
-    zps = None if group.symmetric else np.empty((rows, n_blocks), np.float32 if use_float_zp else np.uint8)
+    zps = None if spec.symmetric else np.empty((rows, n_blocks), np.float32 if spec.float_zero_points else np.uint8)
     err = _ErrorSum()
+    importance = task.importance
     if importance is not None and importance.shape[0] != k:
         importance = None
     imp = None if importance is None else np.pad(importance.astype(np.float32), (0, n_blocks * bs - k))
     if imp is not None:
         kernel = None  # a packing kernel knows no activation statistics
     step = max(1, min(ERROR_SAMPLE_STEP, rows // ERROR_SAMPLE_MIN_ROWS))
-    for c in iter_chunks(model, group):
-        fast = _run_kernel(kernel, c, spec, group.weight) if kernel is not None else None
+    for c in iter_source_chunks(src, task.by_rows, bs, task.chunk_elements):
+        fast = _run_kernel(kernel, c, spec, name) if kernel is not None else None
         if fast is not None:
             packed[c.rows, c.blocks] = fast.packed
             scales[c.rows, c.blocks] = fast.scales
@@ -115,22 +157,21 @@ def solve_group(
         try:
             out = solver(w3, spec, imp_c)
         except ValueError as exc:  # solvers refuse what they cannot quantize (NaN weights, ...)
-            raise QuantizationError(f"weight {group.weight}: {exc}") from None
-        check_solver_output(out, w3.shape, spec, group.weight)
+            raise QuantizationError(f"weight {name}: {exc}") from None
+        check_solver_output(out, w3.shape, spec, name)
         # NaN / inf weights make every solver's scales non-finite: one check on the small array
         if not np.isfinite(out.scales).all():
-            raise QuantizationError(f"weight {group.weight} holds NaN or infinite values; cannot quantize it")
-        packed[c.rows, c.blocks] = layout.pack_along_last(out.q, group.bits)
+            raise QuantizationError(f"weight {name} holds NaN or infinite values; cannot quantize it")
+        packed[c.rows, c.blocks] = layout.pack_along_last(out.q, spec.bits)
         scales[c.rows, c.blocks] = out.scales
         if zps is not None:
             if out.zero_points is None:
-                raise QuantizationError(f"solver returned no zero points for asymmetric {group.weight}")
+                raise QuantizationError(f"solver returned no zero points for asymmetric {name}")
             zps[c.rows, c.blocks] = out.zero_points
         nrows = w3.shape[0]
         err.add(dequantize(out, spec.bits), w3.reshape(nrows, -1), c.k_valid)
         del out, w3
-    blocks = QuantizedBlocks(np.empty((rows, n_blocks, 0), np.uint8), scales, zps)
-    return Result(group, blocks, packed, k, dtype, err.relative)
+    return Solved(packed, scales, zps, k, dtype, err.relative)
 
 
 def _run_kernel(kernel: PackingKernel, c: Chunk, spec: BlockSpec, name: str) -> PackedBlocks | None:
