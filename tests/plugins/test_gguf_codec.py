@@ -8,7 +8,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("bitpress_gguf")
 
-from bitpress_gguf.codec import TYPES, decode, pack  # noqa: E402
+from bitpress_gguf.codec import TYPES, decode, pack, two_terms  # noqa: E402
 
 
 def _ulps(a: np.ndarray, b: np.ndarray, magnitude: np.ndarray) -> float:
@@ -101,42 +101,50 @@ def test_pack_puts_the_lower_k_in_the_lower_bits(bits: int) -> None:
     np.testing.assert_array_equal(back, ints)
 
 
-def _matmulnbits_weights(blocks: object, rows: int, k: int) -> np.ndarray:
+def _matmulnbits_weights(blocks: object, rows: int, k: int, *, split: bool = False) -> np.ndarray:
     """The weight [rows, K] ONNX Runtime's MatMulNBits computes from ``blocks``, read back through an identity
-    input (float32 math: accuracy_level 0)."""
+    input (float32 math: accuracy_level 0). ``split``: as the conversion writes Q5_1 / Q5_K, two 4-bit
+    MatMulNBits (the low bits, the fifth bit: :func:`two_terms`) whose outputs are added."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     b = blocks  # Blocks of a [rows, K] tensor
     info = b.info  # type: ignore[attr-defined]
     nb = k // info.block
-    qb = pack(b.ints.reshape(rows, k), info.bits).reshape(rows, nb, -1)  # type: ignore[attr-defined]
-    inits = [numpy_helper.from_array(qb, "B"), numpy_helper.from_array(b.scale.reshape(rows, nb), "S")]  # type: ignore[attr-defined]
+    ints = b.ints.reshape(rows, k)  # type: ignore[attr-defined]
+    scale = b.scale.reshape(rows, nb)  # type: ignore[attr-defined]
     zero = b.zero.reshape(rows, nb)  # type: ignore[attr-defined]
-    if zero.dtype == np.float32:
-        inits.append(numpy_helper.from_array(zero, "Z"))
-    else:
-        inits.append(numpy_helper.from_array(pack(zero, info.bits) if info.bits < 8 else zero, "Z"))
-    node = helper.make_node("MatMulNBits", ["X", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=k, N=rows,
-                            bits=info.bits, block_size=info.block, accuracy_level=0)
-    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [k, k])],
+    terms = [(ints, scale, zero, info.bits)]
+    if split:
+        low, high, high_scale, high_zero = two_terms(ints, scale, zero)
+        terms = [(low, scale, zero, 4), (high, high_scale, high_zero, 4)]
+    inits, nodes = [], []
+    for i, (q, s, z, bits) in enumerate(terms):
+        inits += [numpy_helper.from_array(pack(q, bits).reshape(rows, nb, -1), f"B{i}"),
+                  numpy_helper.from_array(s, f"S{i}"),
+                  numpy_helper.from_array(z if z.dtype == np.float32 or bits == 8 else pack(z, bits), f"Z{i}")]
+        nodes.append(helper.make_node("MatMulNBits", ["X", f"B{i}", f"S{i}", f"Z{i}"], [f"Y{i}"],
+                                      domain="com.microsoft", K=k, N=rows, bits=bits, block_size=info.block,
+                                      accuracy_level=0))
+    nodes.append(helper.make_node("Sum", [f"Y{i}" for i in range(len(terms))], ["Y"]))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [k, k])],
                           [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [k, rows])], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
     sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(None, {"X": np.eye(k, dtype=np.float32)})[0].T
 
 
-@pytest.mark.parametrize("name", sorted(n for n, t in TYPES.items() if t.onnx_exact))
+@pytest.mark.parametrize("name", sorted(TYPES))
 def test_onnx_runtime_computes_the_gguf_values(name: str) -> None:
     """The blocks as MatMulNBits initializers: ONNX Runtime's weight equals llama.cpp's (integer zero points bit
-    for bit, float ones within float32 rounding of the terms)."""
+    for bit, float ones within float32 rounding of the terms; Q5_1 / Q5_K as two MatMulNBits added)."""
     rng = np.random.default_rng(10 + sorted(TYPES).index(name))
     rows, k = 8, 512
     info = TYPES[name]
     raw = _random_blocks(name, rows * k // info.elements, rng)
     want = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, name)).reshape(rows, k)
     blocks = decode(name, raw)
-    got = _matmulnbits_weights(blocks, rows, k)
+    got = _matmulnbits_weights(blocks, rows, k, split=info.two_terms)
     if info.float_zero:
         assert _ulps(got, want, _terms(blocks).reshape(rows, k)) <= 4.0
     else:
@@ -144,9 +152,30 @@ def test_onnx_runtime_computes_the_gguf_values(name: str) -> None:
 
 
 def test_onnx_runtime_refuses_float_zero_points_at_8_bits() -> None:
-    """Why Q5_1 / Q5_K have no exact form yet: this must fail until ONNX Runtime accepts them (then: allow)."""
+    """Why Q5_1 / Q5_K take two MatMulNBits: one 8-bit with float zero points fails until ONNX Runtime accepts
+    it (then: write one)."""
     rng = np.random.default_rng(3)
     raw = _random_blocks("Q5_K", 8 * 512 // 256, rng)
     with pytest.raises(Exception, match="8-bit weights with floating-point zero points"):
         _matmulnbits_weights(decode("Q5_K", raw), 8, 512)
-    assert not TYPES["Q5_K"].onnx_exact and not TYPES["Q5_1"].onnx_exact
+    assert TYPES["Q5_K"].two_terms and TYPES["Q5_1"].two_terms
+    assert not any(t.two_terms for n, t in TYPES.items() if n not in ("Q5_1", "Q5_K"))
+
+
+@pytest.mark.parametrize("name", ["Q5_1", "Q5_K"])
+def test_two_terms_sum_to_the_blocks(name: str) -> None:
+    """The low bits' and the fifth bit's terms add up to the blocks' values; a zero-scale block (integers 0)
+    has no high term, and the high scales are 16 s exactly."""
+    rng = np.random.default_rng(4)
+    blocks = decode(name, _random_blocks(name, 256, rng))
+    sub = TYPES[name].block
+    n, e = blocks.ints.shape
+    low, high, high_scale, high_zero = two_terms(blocks.ints, blocks.scale, blocks.zero)
+    assert low.max() <= 15 and set(np.unique(high)) <= {0, 1} and high.any() and high_zero.dtype == np.uint8
+    np.testing.assert_array_equal(high_scale / 16, blocks.scale)
+    lo = (low.reshape(n, -1, sub).astype(np.float32) - blocks.zero[..., None]) * blocks.scale[..., None]
+    hi = high.reshape(n, -1, sub).astype(np.float32) * high_scale[..., None]
+    np.testing.assert_allclose((lo + hi).reshape(n, e), blocks.values(), rtol=0,
+                               atol=4 * float(np.spacing(np.abs(_terms(blocks)).max())))
+    dead = (blocks.zero == 1) & (blocks.ints.reshape(n, -1, sub) == 0).all(axis=2)
+    assert blocks.degenerate and (high.reshape(n, -1, sub)[dead] == 0).all()

@@ -196,6 +196,39 @@ def test_k_quants_mixed_like_q4_k_m_convert_exactly(tmp_path: Path) -> None:
     assert stats["split"] == LAYERS
 
 
+@pytest.mark.parametrize(("types", "two_terms", "split"), [
+    # Q5_K_M-like: Q5_K q / k beside a Q6_K v (three MatMulNBits-or-pairs, concatenated), Q5_1 o / up, Q6_K down
+    ({"attn_q": "Q5_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_1", "ffn_gate": "Q5_K",
+      "ffn_up": "Q5_1", "ffn_down": "Q6_K"}, 5, 1),
+    # q / k / v all Q5_K: their low and high terms stacked into one pair
+    ({"attn_q": "Q5_K", "attn_k": "Q5_K", "attn_v": "Q5_K", "attn_output": "Q5_K", "ffn_gate": "Q4_K",
+      "ffn_up": "Q5_K", "ffn_down": "Q5_1"}, 4, 0),
+])
+def test_q5_types_convert_exactly_as_two_terms(tmp_path: Path, types: dict[str, str], two_terms: int,
+                                                split: int) -> None:
+    """Q5_1 / Q5_K (5-bit integers with a float minimum, which no one MatMulNBits holds) become two 4-bit
+    MatMulNBits on the same input, added: the package computes the float graph's logits."""
+    src = write_tiny(tmp_path / "tiny.gguf", types, hidden=256, ffn=512)
+    pkg = _run(src, tmp_path / "out")
+    g = onnx.load(str(pkg / "model.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in g.node]
+    assert "MatMul" not in ops
+    adds = [n for n in g.node if n.op_type == "Add" and n.name.endswith("/add")]
+    assert len(adds) == two_terms * LAYERS
+    for add in adds:  # each adds a low term (float zero points) and a high term (integer zero points 0)
+        producers = [n for n in g.node if n.op_type == "MatMulNBits" and n.output[0] in add.input]
+        assert len(producers) == 2 and {len(p.input) for p in producers} == {4}
+        zps = {t.name: t.data_type for t in g.initializer if t.name in {p.input[3] for p in producers}}
+        assert sorted(zps.values()) == sorted([onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT])
+    ids = [1, 72, 101, 108, 108, 111, 259, 44, 33]
+    want = _logits(_float_graph(src, tmp_path / "float"), ids)
+    got = _logits(pkg / "model.onnx", ids)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    stats = json.loads((pkg / "bitpress-manifest.json").read_text())["made"]["tensors"]
+    assert stats["quantized"] == 7 * LAYERS + 1 and stats["two_terms"] == two_terms * LAYERS
+    assert stats.get("split", 0) == split * LAYERS
+
+
 def test_export_cli_takes_a_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from bitpress.cli import main
 
@@ -207,7 +240,7 @@ def test_export_cli_takes_a_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 @pytest.mark.parametrize(("types", "arch", "match"), [
-    ({"ffn_up": "Q5_1"}, "llama", r"blk.0.ffn_up.weight \(Q5_1: 8-bit with float zero points"),
+    ({"token_embd": "Q5_1"}, "llama", r"token_embd.weight \(Q5_1: float zero points, which GatherBlockQuantized"),
     ({"token_embd": "Q4_1"}, "llama", r"token_embd.weight \(Q4_1: float zero points, which GatherBlockQuantized"),
     ({}, "qwen2", r"architecture 'qwen2' is not converted: its exporter graph is not verified .*converted: llama, "
                   r"gemma3"),

@@ -21,7 +21,7 @@ def _write(path: Path, *, tied: bool = True) -> Path:
     w.add_block_count(2)
     w.add_embedding_length(64)
     w.add_context_length(128)
-    types = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_0"}
+    types = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q5_1"}
     for layer in range(2):
         for name, t in types.items():
             x = rng.normal(0, 0.05, (64, 64)).astype(np.float32)
@@ -51,8 +51,8 @@ def test_a_gguf_model_loads_and_inspects(tmp_path: Path) -> None:
     assert model.file.tensors["blk.0.attn_q.weight"].shape == (64, 64)
     assert model.file.raw("blk.0.attn_q.weight").shape == (64, 2 * 18)  # two Q4_0 blocks per row
     rep = model.inspect()
-    assert rep["tied_embedding"] and set(rep["types"]) == {"Q4_0", "Q4_1", "Q8_0", "F32"}
-    assert rep["types"]["Q4_0"]["tensors"] == 4 and rep["types"]["Q4_1"]["exact"]
+    assert rep["tied_embedding"] and set(rep["types"]) == {"Q4_0", "Q4_1", "Q5_1", "Q8_0", "F32"}
+    assert rep["types"]["Q4_0"]["tensors"] == 2 and rep["types"]["Q4_1"]["exact"] and rep["types"]["Q5_1"]["exact"]
     assert any("GatherBlockQuantized 8-bit block 32" in line for line in rep["lines"])
     assert rep["bits_per_weight"] == pytest.approx(8 * sum(t["bytes"] for k, t in rep["types"].items() if k != "F32")
                                                    / sum(t["elements"] for k, t in rep["types"].items() if k != "F32"))
@@ -68,6 +68,8 @@ def test_inspect_cli_prints_what_maps_exactly(tmp_path: Path, capsys: pytest.Cap
     out = capsys.readouterr().out
     assert "gguf model" in out and "separate (output.weight)" in out
     assert "Q4_1" in out and "MatMulNBits 4-bit block 32, float zero points" in out
+    assert "two MatMulNBits added, block 32: the low 4 bits with float zero points" in out  # Q5_1
+    assert "not convertible exactly" not in out
 
 
 def _corrupt(tmp_path: Path, how: str) -> Path:

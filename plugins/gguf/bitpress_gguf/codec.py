@@ -10,17 +10,19 @@ type    bits   block  zero point   llama.cpp's value (f16 d, dmin, m read as flo
 Q4_0    4      32     8 (uint8)    ``d * (q - 8)``
 Q4_1    4      32     float        ``d * q + m``
 Q5_0    8      32     16 (uint8)   ``d * (q - 16)``, q 5-bit
-Q5_1    8      32     float        ``d * q + m``, q 5-bit
+Q5_1    4+4    32     float / 0    ``d * q + m``, q 5-bit: two terms (below)
 Q8_0    8      32     128 (uint8)  ``d * q``, q int8 (stored as q + 128)
 Q2_K    2      16     float        ``d * sc * q - dmin * m``, 4-bit sc / m per 16
 Q3_K    4      16     4 (uint8)    ``d * sc * q``, q in -4..3 (stored as q + 4), 6-bit signed sc
 Q4_K    4      32     float        ``d * sc * q - dmin * m``, 6-bit sc / m per 32
-Q5_K    8      32     float        as Q4_K, q 5-bit
+Q5_K    4+4    32     float / 0    as Q4_K, q 5-bit: two terms (below)
 Q6_K    8      16     32 (uint8)   ``d * sc * (q - 32)``, q 6-bit, int8 sc per 16
 ======  =====  =====  ===========  ==========================================================
 
 ONNX Runtime 1.32 refuses float zero points at 8 bits (measured: "MatMulNBits" fails to
-initialise), so Q5_1 and Q5_K have no exact ``MatMulNBits`` form yet (:attr:`TypeInfo.onnx_exact`);
+initialise), so Q5_1 and Q5_K (:attr:`TypeInfo.two_terms`) are written as two 4-bit terms whose
+sum is the weight: ``(lo - m / s) * s`` on the low four bits (float zero points, as Q4_1 / Q4_K)
+plus ``hi * 16 s`` on the fifth (integer zero point 0; ``16 s`` is exact), see :func:`two_terms`.
 ``GatherBlockQuantized`` takes integer zero points only, so an embedding table of a float-zero
 type (Q4_1, Q2_K, Q4_K, Q5_x) cannot be gathered from its blocks. Integer zero points give
 llama.cpp's values bit for bit (the same float32 products). A float
@@ -49,9 +51,10 @@ class TypeInfo:
     float_zero: bool  # zero points are float (a minimum), else a fixed integer
 
     @property
-    def onnx_exact(self) -> bool:
-        """Whether ONNX Runtime's MatMulNBits holds the type as is (no float zero points at 8 bits)."""
-        return not (self.float_zero and self.bits == 8)
+    def two_terms(self) -> bool:
+        """Whether the type needs two ``MatMulNBits`` (:func:`two_terms`): 5-bit integers with a float minimum,
+        which no single one holds (ONNX Runtime refuses float zero points at 8 bits)."""
+        return self.float_zero and self.bits == 8
 
     @property
     def gatherable(self) -> bool:
@@ -196,6 +199,18 @@ def decode(type_name: str, raw: np.ndarray) -> Blocks:
         raise KeyError(type_name)
     zero = np.full(scale.shape, fixed[type_name], np.uint8)
     return Blocks(info, ints.astype(np.uint8), scale.astype(np.float32), zero)
+
+
+def two_terms(ints: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                             np.ndarray]:
+    """Q5_1 / Q5_K blocks ``(q - z) * s`` (q 5-bit, z float) as the sum of two 4-bit block forms:
+    ``(q & 15 - z) * s + (q >> 4 - 0) * 16 s``. Returns the low integers, the high integers (0 or 1), the
+    high term's scales (``16 s``: a power of two times ``s``, exact) and its zero points (uint8 0); the low
+    term keeps ``scale`` and ``zero``. A zero-scale block written exactly (integers 0, zero point 1, scale
+    the minimum) stays exact: its high integers are 0."""
+    ints = np.asarray(ints, np.uint8)
+    return ints & np.uint8(15), ints >> np.uint8(4), (scale * np.float32(16)).astype(np.float32), \
+        np.zeros(np.shape(zero), np.uint8)
 
 
 def pack(ints: np.ndarray, bits: int) -> np.ndarray:

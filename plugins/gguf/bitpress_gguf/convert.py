@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from bitpress.errors import ExportError
-from bitpress_gguf.codec import TYPES, Blocks, decode, pack
+from bitpress_gguf.codec import TYPES, Blocks, decode, pack, two_terms
 from bitpress_gguf.model import GgufModel
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class Encoded:
     scales: np.ndarray  # float32 [rows, n_blocks]
     zeros: np.ndarray  # uint8 or float32 [rows, n_blocks]
     degenerate: int = 0
+    high: Encoded | None = None  # Q5_1 / Q5_K: the fifth bit's term, added to this one (codec.two_terms)
 
 
 #: how each architecture's graph is built, checked against the GGUF's own model: "gguf" = mobius
@@ -94,8 +95,6 @@ def refuse_unconvertible(model: GgufModel, skip: set[str] | None = None) -> None
         info = TYPES.get(t.type_name)
         if info is None:
             bad.append(f"{t.name} ({t.type_name}: no ONNX Runtime form)")
-        elif not info.onnx_exact:
-            bad.append(f"{t.name} ({t.type_name}: 8-bit with float zero points, which ONNX Runtime refuses)")
         elif t.name == "token_embd.weight" and not info.gatherable:
             bad.append(f"{t.name} ({t.type_name}: float zero points, which GatherBlockQuantized cannot hold)")
     if bad:
@@ -284,10 +283,17 @@ def replace_weights(model: GgufModel, src: Path, dest: Path, *, redo: set[str] |
             raise ExportError(f"{group.weight}: {row} rows in {', '.join(names)}, the graph's weight has "
                               f"{weight.shape[0]}")
         enc = concat(parts, group.weight)
-        if enc is None:  # e.g. Q4_K q / k beside a Q6_K v: one MatMulNBits each, their outputs concatenated
-            splits.append((group, parts, weight.shape[1]))  # after the writer's edits: nodes stay as planned
+        if enc is None or enc.high is not None:
+            # Q4_K q / k beside a Q6_K v: one MatMulNBits each, their outputs concatenated; Q5_1 / Q5_K: two
+            # MatMulNBits whose outputs are added. After the writer's edits: its nodes stay as planned.
+            splits.append((group, parts if enc is None else [enc], weight.shape[1]))
             stats["quantized"] += len(names)
-            stats["split"] = stats.get("split", 0) + 1
+            stats["degenerate_blocks"] += sum(p.degenerate for p in parts)
+            if enc is None:
+                stats["split"] = stats.get("split", 0) + 1
+            terms = sum(p.high is not None for p in (parts if enc is None else [enc]))
+            if terms:
+                stats["two_terms"] = stats.get("two_terms", 0) + terms
             used.update(names)
             continue
         g = replace(group, bits=enc.bits, block_size=enc.block, symmetric=False)
@@ -419,6 +425,11 @@ def encode_checked(f: Any, name: str, want: np.ndarray, heads: int, kv_heads: in
         if not _matches(info, ints[sl], scales[sl], zeros[sl], want[sl], per_row):
             raise ExportError(f"{name} ({t.type_name}): rows {sl.start}-{sl.stop} differ from the exporter's float "
                               "weight: not converted")
+    if info.two_terms:  # Q5_1 / Q5_K: the low four bits (float zero points) plus the fifth bit's term
+        low, high, high_scales, high_zeros = two_terms(ints, scales, zeros)
+        del ints
+        hi = Encoded(4, info.block, pack(high, 4).reshape(rows, nb, -1), high_scales, high_zeros)
+        return Encoded(4, info.block, pack(low, 4).reshape(rows, nb, -1), scales, zeros, degenerate, hi)
     bits = info.bits if info.bits in WRITABLE_BITS else 4  # Q2_K's 2-bit integers, held exactly in 4 bits
     packed = pack(ints, bits).reshape(rows, nb, -1)
     return Encoded(bits, info.block, packed, scales, zeros, degenerate)
@@ -444,6 +455,13 @@ def concat(parts: list[Encoded], weight: str) -> Encoded | None:
     (4-bit integers stored in 8 bits; larger blocks split into smaller ones with the same scale)."""
     if len(parts) == 1:
         return parts[0]
+    highs = [p.high for p in parts if p.high is not None]
+    if highs:  # two-term parts stack with two-term parts only (both terms by rows), else the caller splits
+        if len(highs) != len(parts):
+            return None
+        low = concat([replace(p, high=None) for p in parts], weight)
+        high = concat(highs, weight)
+        return None if low is None or high is None else replace(low, high=high)
     bits = max(p.bits for p in parts)
     block = min(p.block for p in parts)
     floating = any(p.zeros.dtype == np.float32 for p in parts)
@@ -466,8 +484,9 @@ def concat(parts: list[Encoded], weight: str) -> Encoded | None:
 
 
 def split_fused(model: Any, group: Any, parts: list[Encoded], k: int) -> None:
-    """A fused weight whose parts have no common exact form: one ``MatMulNBits`` per part on the same input,
-    concatenated along the last axis into the fused output."""
+    """A weight written as several ``MatMulNBits`` on its reader's input: a fused weight whose parts have no
+    common exact form gets one per part, concatenated along the last axis into the fused output; a two-term
+    part (Q5_1 / Q5_K) gets one per term, added."""
     from onnx import helper
 
     from bitpress.onnx import layout
@@ -476,32 +495,46 @@ def split_fused(model: Any, group: Any, parts: list[Encoded], k: int) -> None:
 
     uses = [u for u in group.uses if not u.is_gather]
     if len(uses) != 1 or uses[0].node.op_type != "MatMul" or uses[0].transpose is not None:
-        raise ExportError(f"{group.weight}: its parts need different forms, and its reader cannot be split")
+        raise ExportError(f"{group.weight}: its blocks need {sum(1 + (p.high is not None) for p in parts)} "
+                          "MatMulNBits on one input, and its reader is not one plain MatMul: not converted")
     g = model.graph
     out_name = uses[0].node.output[0]
     at = next(i for i, n in enumerate(g.node) if n.op_type == "MatMul" and list(n.output) == [out_name])
     node = g.node[at]
-    outs, new = [], []
-    for i, p in enumerate(parts):
+    outs: list[str] = []
+    new: list[Any] = []
+
+    def matmul(p: Encoded, base: str, out: str) -> None:
         blocks = QuantizedBlocks(np.empty((p.scales.shape[0], p.scales.shape[1], 0), np.uint8), p.scales, p.zeros)
         mt = layout.to_matmul_nbits(blocks, p.bits, k, np.float32, flat=True, packed_q=p.packed)
-        base = f"{group.weight}/part{i}"
         names = [f"{base}_Q{p.bits}", f"{base}_scales"]
         g.initializer.append(model.make_tensor(names[0], mt.b))
         g.initializer.append(model.make_tensor(names[1], mt.scales))
         if mt.zero_points is not None:
             names.append(f"{base}_zero_points")
             g.initializer.append(model.make_tensor(names[2], mt.zero_points))
-        out = f"{node.output[0]}/part{i}"
         new.append(helper.make_node("MatMulNBits", [node.input[0], *names], [out], name=f"{base}_MatMulNBits",
                                     domain=MS_DOMAIN, **mt.attributes(0)))
+
+    single = len(parts) == 1
+    for i, p in enumerate(parts):
+        base = group.weight if single else f"{group.weight}/part{i}"
+        out = node.output[0] if single else f"{node.output[0]}/part{i}"
+        if p.high is None:
+            matmul(p, base, out)
+        else:
+            matmul(p, f"{base}/low", f"{out}/low")
+            matmul(p.high, f"{base}/high", f"{out}/high")
+            new.append(helper.make_node("Add", [f"{out}/low", f"{out}/high"], [out], name=f"{base}/add"))
         outs.append(out)
-    new.append(helper.make_node("Concat", outs, [node.output[0]], axis=-1, name=f"{group.weight}/concat"))
+    if not single:
+        new.append(helper.make_node("Concat", outs, [node.output[0]], axis=-1, name=f"{group.weight}/concat"))
     del g.node[at]
     for j, n in enumerate(new):
         g.node.insert(at + j, n)
     model.remove_unused_initializers()
-    log.info("%s: %d parts of different forms, one MatMulNBits each, concatenated", group.weight, len(parts))
+    log.info("%s: %d part(s), %d MatMulNBits", group.weight, len(parts),
+             sum(1 + (p.high is not None) for p in parts))
 
 
 def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:

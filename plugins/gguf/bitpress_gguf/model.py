@@ -31,9 +31,9 @@ class TypeSummary:
         if self.type_name in TYPES:
             t = TYPES[self.type_name]
             zp = "float zero points" if t.float_zero else "integer zero points"
-            if not t.onnx_exact:
-                return (f"no exact MatMulNBits form: {t.bits}-bit with {zp}, which ONNX Runtime 1.32 refuses at "
-                        "8 bits")
+            if t.two_terms:
+                return (f"two MatMulNBits added, block {t.block}: the low 4 bits with float zero points, the 5th "
+                        "bit 4-bit with integer zero points")
             return f"MatMulNBits {t.bits}-bit block {t.block}, {zp}"
         if self.type_name in FLOAT_TYPES:
             return "float (kept as is)"
@@ -41,7 +41,7 @@ class TypeSummary:
 
     @property
     def exact(self) -> bool:
-        return (self.type_name in TYPES and TYPES[self.type_name].onnx_exact) or self.type_name in FLOAT_TYPES
+        return self.type_name in TYPES or self.type_name in FLOAT_TYPES
 
 
 class GgufModel(ModelHandle):
