@@ -16,7 +16,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import bitpress
-from bitpress.onnx import layout
+from bitpress.onnx.correction import find_corrections, matmul_nbits_weight
 from bitpress.synthetic import build_decoder, build_encoder, random_inputs
 
 
@@ -34,14 +34,12 @@ def weight_error(float_model: Path, quant_model: Path) -> float:
     stored_nk |= {n.input[0] for n in fm.graph.node if n.op_type == "Transpose"}
     q = onnx.load(str(quant_model))
     inits = {t.name: numpy_helper.to_array(t) for t in q.graph.initializer}
+    fixes = find_corrections(q.graph)  # float zero points written as block-sum corrections
     num = den = 0.0
     for n in q.graph.node:
         if n.op_type != "MatMulNBits":
             continue
-        zp = inits[n.input[3]] if len(n.input) > 3 and n.input[3] else None
-        t = layout.MatMulNBitsTensors(inits[n.input[1]], inits[n.input[2]], zp, _attr(n, "K"), _attr(n, "N"),
-                                      _attr(n, "bits"), _attr(n, "block_size"))
-        w_hat = layout.dequantize_matmul_nbits(t)
+        w_hat = matmul_nbits_weight(n, inits.__getitem__, fixes.get(n.name))
         weight = n.input[1].rsplit("_Q", 1)[0]
         w = src[weight]
         if weight in stored_nk:
@@ -86,13 +84,24 @@ def test_beats_rtn_at_same_bits_and_block(models, tmp_path, algorithm, which):
 
 
 def test_float_zero_points_are_written_and_run(models, tmp_path):
-    out = tmp_path / "k.onnx"
-    bitpress.quantize(models["decoder"], out, algorithm="kquant", precision="int4", options={"op_types": ["MatMul"]})
-    q = onnx.load(str(out))
+    """By default a float zero point becomes a block-sum correction (no zero-point input, fast kernels);
+    ``float_zero_point_form=native`` writes MatMulNBits' float zero points. Both compute one weight."""
+    outs = {}
+    for form in ("correction", "native"):
+        out = outs[form] = tmp_path / f"k_{form}.onnx"
+        bitpress.quantize(models["decoder"], out, algorithm="kquant", precision="int4",
+                          options={"op_types": ["MatMul"], "float_zero_point_form": form})
+        assert logits_error(models["decoder"], out) < 0.2
+    q = onnx.load(str(outs["native"]))
     inits = {t.name: t for t in q.graph.initializer}
     mm = [n for n in q.graph.node if n.op_type == "MatMulNBits"]
     assert mm and all(inits[n.input[3]].data_type == onnx.TensorProto.FLOAT for n in mm)
-    assert logits_error(models["decoder"], out) < 0.2
+    c = onnx.load(str(outs["correction"]))
+    mm_c = [n for n in c.graph.node if n.op_type == "MatMulNBits"]
+    assert len(mm_c) == len(mm) and all(len(n.input) == 3 for n in mm_c)  # symmetric: no zero points
+    assert set(find_corrections(c.graph)) == {n.name for n in mm_c}
+    assert weight_error(models["decoder"], outs["correction"]) == pytest.approx(
+        weight_error(models["decoder"], outs["native"]), rel=1e-5)
 
 
 def test_kquant_integer_zero_points_on_request(models, tmp_path):

@@ -24,6 +24,7 @@ import bitpress.plugins
 from bitpress import api
 from bitpress.envs.protocol import PROTOCOL
 from bitpress.errors import OptionError
+from bitpress.onnx.kernels import TargetOptions
 from bitpress.onnx.weightonly import WeightOnlyOptions
 from bitpress.options import parse_options, validators
 from bitpress.plugins import Registry
@@ -109,7 +110,8 @@ def registry(plugin: ModuleType) -> Registry:
 
 def test_host_checks_run_without_super(plugin: ModuleType) -> None:
     cls = plugin.NoSuperOptions
-    assert validators(cls) == [WeightOnlyOptions.__dict__["validate"], cls.__dict__["validate"]]
+    assert validators(cls) == [TargetOptions.__dict__["validate"], WeightOnlyOptions.__dict__["validate"],
+                               cls.__dict__["validate"]]
     for value, message in EXPECTED.items():
         with pytest.raises(OptionError) as exc:
             parse_options(cls, {"block_size": value}, owner="nosuper")

@@ -289,6 +289,8 @@ def evaluate(
     weights: bool = True,
     progress: Any = None,
     threads: int | None = None,
+    speed: bool = True,
+    speed_runs: int = 3,
 ) -> EvalResult:
     """Compare ``quantized`` with its float ``reference`` (.onnx files or GenAI folders) in ONNX Runtime.
 
@@ -298,8 +300,10 @@ def evaluate(
     ``seq_len`` tokens, at most ``max_windows``; tokenizer.json beside a model or ``tokenizer``);
     without ``data`` the outputs are compared on those windows too. ``weights``: also the SQNR of
     every quantized weight against the reference's. ``jobs``: ONNX Runtime intra-op threads
-    (default 1; ``threads`` is its old name, still accepted). ``EvalResult.to_json()`` /
-    ``write_html(path)`` give the reports.
+    (default 1; ``threads`` is its old name, still accepted). ``speed``: also time both models
+    alternately (``speed_runs`` rounds after a warm-up; GenAI packages by ``onnxruntime_genai``: prompt
+    and decode tokens/s; .onnx files by a session: one token and a prompt-sized batch), see
+    :func:`bitpress.speed.compare`. ``EvalResult.to_json()`` / ``write_html(path)`` give the reports.
     """
     from bitpress.errors import UsageError
     from bitpress.evaluate.runner import run_evaluation
@@ -310,6 +314,7 @@ def evaluate(
     return run_evaluation(
         quantized, reference, data=data, samples=samples, seq_len=seq_len, batch=batch, seed=seed, text=text,
         tokenizer=tokenizer, max_windows=max_windows, threads=n, weights=weights, progress=progress,
+        speed=speed, speed_runs=speed_runs,
     )
 
 

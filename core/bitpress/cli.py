@@ -238,9 +238,30 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--threads", dest="jobs", type=int, action=_Deprecated, replacement="--jobs",
                     help=argparse.SUPPRESS)  # the old name, still accepted
     ev.add_argument("--no-weights", action="store_true", help="skip the per-tensor weight error (SQNR)")
+    ev.add_argument("--no-speed", action="store_true",
+                    help="skip timing both models (prompt / decode tokens per second, alternating rounds)")
+    ev.add_argument("--speed-runs", type=int, default=3, help="timed rounds per model, after a warm-up (default 3)")
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
     ev.add_argument("--html", type=Path, metavar="REPORT.html", help="also write a self-contained HTML report")
     ev.set_defaults(func=_cmd_eval)
+
+    bn = sub.add_parser("bench", help="how fast models run: prompt and decode tokens/s (GenAI packages), latency "
+                        "at one token and a prompt-sized batch (ONNX), load time, peak memory; models alternate")
+    bn.add_argument("models", nargs="+", type=Path, metavar="MODEL",
+                    help=".onnx files or ONNX Runtime GenAI package folders; ratios are to the first of each kind")
+    bn.add_argument("--label", action="append", dest="labels", metavar="NAME",
+                    help="a name per model, in order (default: the file or folder name)")
+    bn.add_argument("--jobs", type=_int_list, default=[1], metavar="N[,N...]",
+                    help="ONNX Runtime intra-op threads, e.g. 1,2: each count measured in turn (default 1)")
+    bn.add_argument("--runs", type=int, default=5, help="measured rounds; figures are their medians (default 5)")
+    bn.add_argument("--warmup", type=int, default=1, help="rounds run first and discarded (default 1)")
+    bn.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
+    bn.add_argument("--decode-tokens", type=int, default=32, help="generated tokens per round (default 32)")
+    bn.add_argument("--profile", type=int, nargs="?", const=10, default=0, metavar="N",
+                    help="also show where the time goes: the N slowest nodes (default 10) by ONNX Runtime's "
+                         "profiler, at one token, with the kernel each quantized node runs on")
+    bn.add_argument("--json", action="store_true", help="print the result as JSON")
+    bn.set_defaults(func=_cmd_bench)
 
     d = sub.add_parser("demo", help="build a small model, quantize it, report size/time/error")
     d.add_argument("--output", type=Path, default=Path("demo-out"))
@@ -644,6 +665,8 @@ def _report(result: Any, as_json: bool, show_weights: bool = False) -> None:
         if show_weights:
             for line in weight_table_lines(rep):
                 print(f"    {line}")
+    for where, paths in getattr(result, "runtime", []):
+        print(f"  runs on ({paths.target}, {where}): {paths.summary()}")
     for f in result.files:
         print(f"  {f}")
     for note in result.notes:
@@ -748,7 +771,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate(
         args.quantized, args.reference, data=args.data, samples=args.samples, seq_len=args.seq_len,
         batch=args.batch, seed=args.seed, text=args.text, tokenizer=args.tokenizer, max_windows=args.max_windows,
-        jobs=args.jobs, weights=not args.no_weights, progress=_progress,
+        jobs=args.jobs, weights=not args.no_weights, progress=_progress, speed=not args.no_speed,
+        speed_runs=args.speed_runs,
     )
     if args.html:
         result.write_html(args.html)
@@ -759,6 +783,30 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             print(line)
         if args.html:
             print(f"wrote {args.html}")
+    return EXIT_OK
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from bitpress.speed import bench, lines
+
+    report = bench(args.models, labels=args.labels, threads=args.jobs, runs=args.runs, warmup=args.warmup,
+                   prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, profile_nodes=args.profile,
+                   progress=lambda text: print(f"bench: {text}", file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        for line in lines(report, top=args.profile or 10):
+            print(line)
     return EXIT_OK
 
 

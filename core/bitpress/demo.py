@@ -1,8 +1,10 @@
 """``bitpress demo`` (``make demo``): the main job on a model it builds itself.
 
 Builds a small random Llama-like decoder with tied embeddings, quantizes it with every
-installed native algorithm at int4 and int8, and reports size, time and the error of the
-logits against the float model through ONNX Runtime.
+installed native algorithm at int4 and int8, and reports size, time, the error of the logits
+against the float model through ONNX Runtime, and how fast each output runs against the float
+model (one token and a 32-token batch, one thread, every model timed alternately in one run:
+:mod:`bitpress.speed`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 from bitpress.api import quantize
 from bitpress.errors import BitpressError
 from bitpress.plugins import get_registry
+from bitpress.speed import bench
 from bitpress.synthetic import build_decoder, random_inputs
 
 DEMO_PRESETS: dict[str, dict[str, Any]] = {
@@ -50,6 +53,7 @@ def run_demo(output: Path, *, preset: str = "demo", progress: Any = None) -> Ite
     size_in = _size(src.parent)
     notes: list[str] = []
     rows.append(("float32", "-", f"{size_in / 1e6:.1f} MB", "1.00x", "-", "0", "100%"))
+    timed: list[Path] = [src]
     for algorithm, precision in CANDIDATES:
         try:
             registry.select(algorithm, precision, "onnx")
@@ -66,9 +70,20 @@ def run_demo(output: Path, *, preset: str = "demo", progress: Any = None) -> Ite
             algorithm, precision, f"{result.output_bytes / 1e6:.1f} MB", f"{size_in / result.output_bytes:.2f}x",
             f"{seconds:.2f} s", f"{rel:.4f}", f"{top1:.0%}",
         ))
+        timed.append(dest / "model.onnx")
+    yield f"timing {len(timed)} models alternately (one token, and 32 tokens at once; one thread)"
+    speed = bench(timed, labels=[f"m{i}" for i in range(len(timed))], runs=3, prompt_tokens=32)
+    rows = [(*rows[0], "1-token speed", "32-token speed")] + [
+        (*row, f"{f.ratios['single']:.2f}x", f"{f.ratios['prompt']:.2f}x")
+        for row, f in zip(rows[1:], (speed.get(f"m{i}", 1) for i in range(len(timed))), strict=True)
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         yield "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
+    m = speed.machine
+    yield (f"speed: calls per second against float32's, median of 3 alternating rounds on {m['cpu']} "
+           f"({' '.join(m['flags'])}); the int4 / int8 rows run on ONNX Runtime's packed int8 kernels, nf4 "
+           "(MatMulBnb4) dequantizes every weight on every call (docs/speed.md)")
     if notes:
         yield "rows that differ for a reason:"
         yield from notes

@@ -133,7 +133,9 @@ def weight_table_lines(report: Any) -> list[str]:
     if not rows:
         return []
     measured = any(r.error is not None for r in rows)
-    head = ["WEIGHT", "OPS", "SHAPE", "BITS", "BLOCK", "SYM", "ZERO PTS", "BITS/W"] + (["ERROR"] if measured else [])
+    kernels = any(r.kernel for r in rows)
+    head = (["WEIGHT", "OPS", "SHAPE", "BITS", "BLOCK", "SYM", "ZERO PTS", "BITS/W"] + (["KERNEL"] if kernels else [])
+            + (["ERROR"] if measured else []))
     table = [[*head, "NOTE"]]
     for r in rows:
         shape = "x".join(str(d) for d in r.shape) or "-"
@@ -144,6 +146,8 @@ def weight_table_lines(report: Any) -> list[str]:
         else:
             bits = {"float32": "32", "float16": "16", "bfloat16": "16"}.get(r.dtype, "-")
             cells = [r.dtype or "float", "-", "-", "-", bits]
+        if kernels:
+            cells.append((r.kernel or "-") if r.quantized else "float")
         if measured:
             cells.append(f"{r.error:.4f}" if r.error is not None else "-")
         note = r.reason if not r.quantized else (r.note or "")
@@ -161,7 +165,8 @@ def plan_lines(result: PlanResult) -> list[str]:
     for step in result.steps:
         lines.append(f"{step.pass_name} ({step.label}) on {step.model.name}: "
                      + (step.report.summary() if step.report is not None else step.reason or "no plan"))
-        for note in step.notes + (list(step.report.unmatched) if step.report is not None else []):
+        extra = list(step.report.unmatched) + list(step.report.notes) if step.report is not None else []
+        for note in step.notes + extra:
             lines.append(f"  note: {note}")
         if step.report is not None:
             lines += ["  " + line for line in weight_table_lines(step.report)]

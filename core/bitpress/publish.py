@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 INDEX = "bitpress-publish.json"
 _CELL_KEYS = {"passes", "data", "eps", "genai"}
 _MATRIX_KEYS = {"dtypes", "eps", "variants", "folders", "genai", "eval"}
-_EVAL_KEYS = {"text", "windows", "seq_len", "reference"}
+_EVAL_KEYS = {"text", "windows", "seq_len", "reference", "speed", "speed_runs"}
 _RUNNABLE = ("cpu", "default")  # EPs whose packages ONNX Runtime's CPU EP runs
 
 
@@ -205,13 +205,17 @@ def publish(config: dict[str, Any], *, overwrite: bool = False, progress: Any = 
 def check_eval(spec: Any) -> dict[str, Any]:
     """``matrix.eval``, checked: a text file, windows and seq_len > 0, an optional reference folder."""
     if not isinstance(spec, dict) or set(spec) - _EVAL_KEYS or not isinstance(spec.get("text"), str | Path):
-        raise ConfigError(f"matrix.eval must be {{text: FILE, windows: N, seq_len: N, reference: FOLDER}} "
+        raise ConfigError(f"matrix.eval must be {{text: FILE, windows: N, seq_len: N, reference: FOLDER, speed: "
+                          "true|false, speed_runs: N}} "
                           f"(text required), got {spec!r}")
     out = {"text": Path(spec["text"]), "windows": spec.get("windows", 16), "seq_len": spec.get("seq_len", 128),
-           "reference": spec.get("reference")}
-    for key in ("windows", "seq_len"):
+           "reference": spec.get("reference"), "speed": spec.get("speed", True),
+           "speed_runs": spec.get("speed_runs", 3)}
+    for key in ("windows", "seq_len", "speed_runs"):
         if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] <= 0:
             raise ConfigError(f"matrix.eval.{key} must be a positive integer, got {out[key]!r}")
+    if not isinstance(out["speed"], bool):
+        raise ConfigError(f"matrix.eval.speed must be true or false, got {out['speed']!r}")
     if not out["text"].is_file():
         raise ConfigError(f"matrix.eval.text: {out['text']} is not a file")
     return out
@@ -232,7 +236,8 @@ def evaluate_cells(result: PublishResult, spec: dict[str, Any], *, progress: Any
     for cell in ok:
         try:
             res = evaluate(result.output / cell.folder, result.output / ref.folder, text=ev["text"],
-                           seq_len=ev["seq_len"], max_windows=ev["windows"], weights=False, progress=progress)
+                           seq_len=ev["seq_len"], max_windows=ev["windows"], weights=False, progress=progress,
+                           speed=ev["speed"], speed_runs=ev["speed_runs"])
         except BitpressError as exc:
             log.warning("cell %s: evaluation failed: %s", cell.folder, exc)
             cell.eval = {"error": str(exc)}
@@ -247,6 +252,14 @@ def evaluate_cells(result: PublishResult, spec: dict[str, Any], *, progress: Any
             "top1_agreement": lg.top1_agreement if lg else None,
             "max_abs_logits_error": lg.max_abs_error if lg else None,
         }
+        if res.speed:  # measured alternately with the reference package, on this machine
+            sp, q = res.speed, res.speed["quantized"]
+            cell.eval["speed"] = {
+                "prompt_tokens_per_s": q["prompt_tokens_per_s"], "decode_tokens_per_s": q.get("decode_tokens_per_s"),
+                "peak_rss": q["peak_rss"], "load_s": q["load_s"], "ratios_to_reference": sp["ratios"],
+                "threads": sp["threads"], "runs": sp["runs"], "prompt_tokens": sp["prompt_tokens"],
+                "cpu": sp["machine"]["cpu"], "cpu_flags": sp["machine"]["flags"], "versions": sp["machine"]["versions"],
+            }
         add_evaluation(result.output / cell.folder, cell.eval)
 
 

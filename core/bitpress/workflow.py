@@ -74,6 +74,8 @@ class RunResult:
     output_model_bytes: int | None = None
     #: what the user should know about the output (e.g. the ONNX checker rejects it, as it does the input)
     notes: list[str] = field(default_factory=list)
+    #: (model or component, bitpress.onnx.kernels.RuntimePaths): the kernel each quantized node runs on
+    runtime: list[tuple[str, Any]] = field(default_factory=list)
 
     @property
     def companion_bytes(self) -> int:
@@ -98,6 +100,7 @@ class RunResult:
             "companion_bytes": self.companion_bytes,
             "ratio": round(self.ratio, 4),
             "notes": list(self.notes),
+            "runtime": [{"model": where, **paths.to_json()} for where, paths in self.runtime],
             "reports": [
                 {"pass": name, "model": str(src), "summary": rep.summary() if hasattr(rep, "summary") else str(rep),
                  **(rep.to_json() if callable(getattr(rep, "to_json", None)) else {})}
@@ -613,7 +616,8 @@ def run_workflow(
     companions = int(context.extras.get("companion_bytes", 0))
     return RunResult(wf.output, final_files, seconds, in_bytes, out_bytes, list(context.extras.get("reports", [])),
                      input_model_bytes=int(context.extras.get("input_model_bytes", in_bytes)),
-                     output_model_bytes=out_bytes - companions, notes=list(context.extras.get("notes", [])))
+                     output_model_bytes=out_bytes - companions, notes=list(context.extras.get("notes", [])),
+                     runtime=list(context.extras.get("runtime", [])))
 
 
 def _note_checker(context: PassContext, model: ModelHandle, dest: Path) -> None:
@@ -651,7 +655,27 @@ def _run_passes(
         key = f"{prefix}{step.pass_.name}"
         seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t0
         record_pass(model, step.pass_)
+    _note_runtime(context, model, wf, prefix)
     return model
+
+
+def _note_runtime(context: PassContext, model: ModelHandle, wf: Workflow, prefix: str) -> None:
+    """Which ONNX Runtime kernel each quantized node of the output runs on, whichever pass wrote it; a
+    warning (once) when some take the dequantize-every-call path (docs/speed.md)."""
+    if not isinstance(model, OnnxModel):
+        return
+    from bitpress.onnx.kernels import TARGETS, graph_paths
+
+    targets = [getattr(s.pass_.options, "target", None) for s in wf.steps]
+    target = next((t for t in reversed(targets) if t in TARGETS), "cpu")
+    paths = graph_paths(model.graph, target)
+    if not paths.paths:
+        return
+    where = prefix.rstrip(":") or model.source.name
+    context.extras.setdefault("runtime", []).append((where, paths))
+    warning = paths.warning(where)
+    if warning:
+        log.warning("%s", warning)
 
 
 #: the ONNX metadata_props key under which bitpress records the passes that made a model

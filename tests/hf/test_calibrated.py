@@ -263,7 +263,7 @@ def test_gptq_hf_export_runs_in_onnx_runtime(llama_tied_folder: Path, tmp_path: 
     model = HfModel.load(folder).torch_model()
     # the tied table: solved by GPTQ from the head's inputs, one tensor read by both ends
     assert isinstance(model.lm_head.weight, QuantTensor) and model.lm_head.weight is model.model.embed_tokens.weight
-    onnx_path = hf_to_onnx(folder, tmp_path / "onnx")[0]
+    onnx_path = hf_to_onnx(folder, tmp_path / "onnx", accuracy_level=0)[0]  # float32: compared with torch
     ops = [n.op_type for n in onnx.load(str(onnx_path), load_external_data=False).graph.node]
     assert ops.count("MatMulNBits") == 15 and ops.count("GatherBlockQuantized") == 1
     ids = np.random.default_rng(1).integers(0, 256, (2, 11), dtype=np.int64)

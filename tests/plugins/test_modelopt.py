@@ -179,7 +179,9 @@ def test_int4_modes(mode: str, decoder: Path, tmp_path: Path) -> None:
     options, bound = INT4[mode]
     data = None if mode == "rtn_dq" else DATA  # RTN needs no data: the pass does not ask for it
     qdq = _run(decoder, tmp_path, data=data, name="qdq", output_format="qdq", **options)
-    nbits = _run(decoder, tmp_path, data=data, name="nbits", **options)
+    # accuracy_level 0 (float32 compute) for the comparison with the QDQ form below; the default (4: int8
+    # activations, ONNX Runtime's fast kernels) is checked at the end
+    nbits = _run(decoder, tmp_path, data=data, name="nbits", accuracy_level=0, **options)
 
     # ModelOpt's form: DequantizeLinear(int4 / uint4, blocks of 128 along K, axis 0) -> MatMul at opset 21;
     # the LM head left in float (ModelOpt's default exclusion)
@@ -207,6 +209,13 @@ def test_int4_modes(mode: str, decoder: Path, tmp_path: Path) -> None:
     _check_runs(nbits, decoder)
     err = _rel_error(decoder, nbits)
     assert 1e-3 < err < bound, f"{mode}: error {err:.4f}"
+    if mode == "rtn_dq":  # the default accuracy_level: 4, the int8 kernels (bitpress.onnx.kernels)
+        from bitpress.onnx.kernels import graph_paths
+
+        fast = _run(decoder, tmp_path, data=data, name="fast", **options)
+        assert all(a.get("accuracy_level") == 4 for a in _nbits(fast).values())
+        assert not graph_paths(_model(fast).graph).slow()
+        assert 1e-3 < _rel_error(decoder, fast) < bound
 
 
 def test_awq_scales_are_folded_or_multiplied(decoder: Path, tmp_path: Path) -> None:

@@ -101,6 +101,11 @@ class EvalResult:
     #: the passes that made QUANTIZED, from its ``bitpress`` metadata (``[{"pass", "plugin",
     #: "options"}]``); ``None`` when the model records none (not written by bitpress)
     quantization: list[dict[str, Any]] | None = None
+    #: the kernel each quantized node of QUANTIZED runs on (:mod:`bitpress.onnx.kernels`)
+    runtime: dict[str, Any] | None = None
+    #: QUANTIZED's speed against the reference's, measured alternately (:func:`bitpress.speed.compare`);
+    #: ``None`` with ``speed=False`` (``--no-speed``)
+    speed: dict[str, Any] | None = None
 
     def logits(self) -> OutputMetrics | None:
         return next((o for o in self.outputs if o.is_logits), None)
@@ -140,6 +145,8 @@ class EvalResult:
             "reference_bytes": self.reference_bytes,
             "bits_per_weight": self.bits_per_weight,
             "quantization": self.quantization,
+            "runtime": self.runtime,
+            "speed": self.speed,
         }
         return _finite(out)
 

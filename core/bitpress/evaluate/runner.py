@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from bitpress.data import DataConfig, input_specs
-from bitpress.errors import ModelLoadError, UsageError
+from bitpress.errors import BitpressError, ModelLoadError, UsageError
 from bitpress.evaluate.feeds import (
     check_same_signature,
     data_feeds,
@@ -31,6 +31,7 @@ from bitpress.evaluate.metrics import OutputAccumulator, looks_like_logits, next
 from bitpress.evaluate.result import EvalError, EvalResult, ModelMismatchError, PerplexityResult
 from bitpress.evaluate.weights import tensor_errors
 from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx.kernels import graph_paths
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +53,13 @@ def run_evaluation(
     threads: int = 1,
     weights: bool = True,
     progress: Progress | None = None,
+    speed: bool = True,
+    speed_runs: int = 3,
 ) -> EvalResult:
     """See :func:`bitpress.api.evaluate`."""
     start = time.perf_counter()
     for name, value, low in (("samples", samples, 1), ("seq_len", seq_len, 1), ("batch", batch, 1),
-                             ("threads", threads, 1), ("max_windows", max_windows, 1)):
+                             ("threads", threads, 1), ("max_windows", max_windows, 1), ("speed_runs", speed_runs, 1)):
         if value is not None and (not isinstance(value, int) or value < low):
             raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
     # absolute (not resolved): names inside a folder are joined to it once, whatever the cwd
@@ -80,6 +83,7 @@ def run_evaluation(
         result.quantized_bytes, result.reference_bytes = model_bytes(qm), model_bytes(rm)
         result.bits_per_weight = bits_per_weight(qm)
         result.quantization = recorded_passes(qm)
+        result.runtime = graph_paths(qm.graph).to_json()
         if past:
             from bitpress.evaluate.feeds import cache_note
 
@@ -134,12 +138,35 @@ def run_evaluation(
                                                                   "MatMulBnb4"))
             with _step(progress, n_nodes, "weight error") as advance:
                 result.tensors = tensor_errors(qm, rm, advance)
+        if speed:
+            del q_sess, r_sess  # the speed workers load the models in processes of their own
+            try:
+                result.speed = _speed(quantized, reference, threads, speed_runs, seq_len, progress)
+            except BitpressError as exc:  # the comparison stands without it
+                result.notes.append(f"speed not measured: {exc}")
+            else:
+                if result.speed.get("note"):
+                    result.notes.append(result.speed["note"])
         result.seconds = time.perf_counter() - start
         _log_summary(result)
         return result
     finally:
         qm.close()
         rm.close()
+
+
+def _speed(quantized: str | Path, reference: str | Path, threads: int, runs: int, seq_len: int,
+           progress: Progress | None) -> dict[str, Any]:
+    """Both models timed alternately: GenAI packages by ``onnxruntime_genai``, .onnx files by a session."""
+    from bitpress.speed import compare
+
+    with _step(progress, 2 * (runs + 1), "speed") as advance:
+        def say(text: str) -> None:
+            if text.startswith("round"):
+                advance(2)
+
+        return compare(quantized, reference, threads=threads, runs=runs, prompt_tokens=min(seq_len, 128),
+                       progress=say)
 
 
 def model_bytes(model: OnnxModel) -> int:

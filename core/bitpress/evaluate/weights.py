@@ -24,6 +24,7 @@ from onnx import helper
 from bitpress.evaluate.result import TensorError
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx import layout
+from bitpress.onnx.correction import Correction, find_corrections, matmul_nbits_weight
 from bitpress.onnx.graph import MS_DOMAIN, consumers, producers
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ def tensor_errors(
     r_cons = consumers(rgraph)
     r_nodes = {n.name: n for n in rgraph.node if n.name}
     nodes = [n for n in qgraph.node if n.domain == MS_DOMAIN and n.op_type in QUANTIZED_OPS]
+    fixes = find_corrections(qgraph)  # float zero points written as block-sum corrections
     rows: dict[str, TensorError] = {}
     for node in nodes:
         source = _source_initializer(node.input[0] if node.op_type == "GatherBlockQuantized" else node.input[1],
@@ -75,7 +77,8 @@ def tensor_errors(
                           bits=_bits(node.op_type, attrs), block_size=attrs.get("block_size"))
         rows[key] = row
         try:
-            _fill(row, node, attrs, source, quantized, reference, q_inits, r_inits, r_prods, r_cons, r_nodes)
+            _fill(row, node, attrs, source, quantized, reference, q_inits, r_inits, r_prods, r_cons, r_nodes,
+                  fixes.get(node.name))
         except (ValueError, KeyError) as exc:
             # a layout this module does not know: report the tensor, keep going
             row.note = f"cannot dequantize: {exc}"
@@ -107,7 +110,7 @@ def _fill(
     row: TensorError, node: onnx.NodeProto, attrs: dict[str, Any], source: str | None,
     quantized: OnnxModel, reference: OnnxModel, q_inits: dict[str, onnx.TensorProto],
     r_inits: dict[str, onnx.TensorProto], r_prods: dict[str, onnx.NodeProto],
-    r_cons: dict[str, list[onnx.NodeProto]], r_nodes: dict[str, onnx.NodeProto],
+    r_cons: dict[str, list[onnx.NodeProto]], r_nodes: dict[str, onnx.NodeProto], fix: Correction | None = None,
 ) -> None:
     if source is None:
         row.note = "its quantized data is not an initializer"
@@ -119,7 +122,7 @@ def _fill(
     row.weight = weight
     w = np.asarray(reference.array(weight)).astype(np.float32)
     row.shape = [int(d) for d in w.shape]
-    deq = _dequantize(node, attrs, source, quantized, q_inits, row)
+    deq = _dequantize(node, attrs, source, quantized, q_inits, row, fix)
     if deq is None:
         return
     # a gather dequantizes to the table as stored, [vocab, hidden]; A @ W uses W as [K, N], which the
@@ -165,7 +168,7 @@ def _stored_rows_first(weight: str, cons: dict[str, list[onnx.NodeProto]]) -> bo
 
 def _dequantize(
     node: onnx.NodeProto, attrs: dict[str, Any], source: str, model: OnnxModel,
-    inits: dict[str, onnx.TensorProto], row: TensorError,
+    inits: dict[str, onnx.TensorProto], row: TensorError, fix: Correction | None = None,
 ) -> np.ndarray | None:
     def arr(i: int) -> np.ndarray | None:
         if len(node.input) <= i or not node.input[i]:
@@ -175,18 +178,12 @@ def _dequantize(
             raise ValueError(f"input {i} ({name}) is not an initializer")
         return np.asarray(model.array(name))
 
-    data = np.asarray(model.array(source))
     if node.op_type == "MatMulNBits":
         if arr(4) is not None:
             row.note = "act-order weights (g_idx) are not compared"
             return None
-        k, n = int(attrs["K"]), int(attrs["N"])
-        bits, bs = int(attrs.get("bits", 4)), int(attrs["block_size"])
-        n_blocks = -(-k // bs)
-        scales = arr(2)
-        assert scales is not None
-        t = layout.MatMulNBitsTensors(data.reshape(n, n_blocks, bs * bits // 8), scales, arr(3), k, n, bits, bs)
-        return layout.dequantize_matmul_nbits(t)
+        return matmul_nbits_weight(node, lambda name: np.asarray(model.array(name)), fix)
+    data = np.asarray(model.array(source))
     if node.op_type == "GatherBlockQuantized":
         bits, bs = int(attrs.get("bits", 4)), int(attrs.get("block_size", 128))
         if int(attrs.get("gather_axis", 0)) != 0 or int(attrs.get("quantize_axis", 1)) not in (1, -1):

@@ -243,7 +243,7 @@ def _strip_prefix(model: OnnxModel) -> None:
 
 
 # -- rewriting ------------------------------------------------------------------------------------------
-def rewrite(onnx_model: OnnxModel, qparams: dict[str, Any]) -> list[str]:
+def rewrite(onnx_model: OnnxModel, qparams: dict[str, Any], accuracy_level: int = 4) -> list[str]:
     """Replace the readers of each quantized initializer with MatMulNBits / GatherBlockQuantized.
 
     ``qparams`` maps parameter names (any alias of a tied one) to their QuantTensor. Returns the
@@ -264,7 +264,7 @@ def rewrite(onnx_model: OnnxModel, qparams: dict[str, Any]) -> list[str]:
     p = plan(onnx_model, opts)
     groups = {g.weight: g for g in p.groups}
     problems: list[tuple[str, str]] = []
-    writer = Writer(onnx_model, accuracy_level=0)
+    writer = Writer(onnx_model, accuracy_level=accuracy_level)
     for name, qt in present.items():
         group = groups.get(name)
         spec = qt.spec
@@ -303,8 +303,10 @@ def _result(result_cls: type, group: Any, qt: Any) -> Any:
 
 
 def export(handle: HfModel, workdir: Path, *, split_embedding: bool = False, opset: int = 17,
-           seq_len: int = 8) -> HfOnnxExport:
-    """Trace and rewrite ``handle``'s model; graphs stay under ``workdir`` until saved."""
+           seq_len: int = 8, accuracy_level: int = 4) -> HfOnnxExport:
+    """Trace and rewrite ``handle``'s model; graphs stay under ``workdir`` until saved.
+
+    ``accuracy_level``: of the ``MatMulNBits`` written (4, int8 compute, runs fastest on CPU)."""
     from bitpress.hf.checkpoint import companion_files, parameter_groups
     from bitpress.hf.qtensor import QuantTensor
 
@@ -326,7 +328,7 @@ def export(handle: HfModel, workdir: Path, *, split_embedding: bool = False, ops
             m = OnnxModel.load(path)
             m.use_workdir(workdir)
             _strip_prefix(m)
-            written = rewrite(m, qparams)
+            written = rewrite(m, qparams, accuracy_level)
             log.info("%s: %d quantized weights written as MatMulNBits / GatherBlockQuantized", part, len(written))
             models["model.onnx" if part == "full" else f"{part}.onnx"] = m
     shared: set[str] = set()
@@ -393,12 +395,14 @@ def _save_components(models: dict[str, OnnxModel], shared: set[str], dest: Path,
 
 # -- the host function ------------------------------------------------------------------------------
 def hf_to_onnx(model: str | Path | HfModel, output: str | Path, *, split_embedding: bool = False, opset: int = 17,
-               overwrite: bool = False, check: bool = True, **load_options: Any) -> list[Path]:
+               overwrite: bool = False, check: bool = True, accuracy_level: int = 4,
+               **load_options: Any) -> list[Path]:
     """Export a Hugging Face folder (or loaded :class:`HfModel`) to the ONNX folder ``output``.
 
     Quantized linears become ``MatMulNBits``, quantized embeddings ``GatherBlockQuantized``, with
-    the checkpoint's exact integers. ``load_options``: ``trust_remote_code``, ``allow_pickle``.
-    Written atomically: a failure leaves no ``output`` behind.
+    the checkpoint's exact integers. ``accuracy_level``: of the ``MatMulNBits`` (4: int8 compute,
+    ONNX Runtime's fast CPU kernels; 0: float32 compute). ``load_options``: ``trust_remote_code``,
+    ``allow_pickle``. Written atomically: a failure leaves no ``output`` behind.
     """
     handle = model if isinstance(model, HfModel) else HfModel.load(Path(model), load_options)
     if isinstance(model, HfModel) and load_options:
@@ -411,7 +415,7 @@ def hf_to_onnx(model: str | Path | HfModel, output: str | Path, *, split_embeddi
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.bitpress-", dir=out.parent))
     try:
-        exp = export(handle, tmp / "work", split_embedding=split_embedding, opset=opset)
+        exp = export(handle, tmp / "work", split_embedding=split_embedding, opset=opset, accuracy_level=accuracy_level)
         files = exp.save(tmp / "out", check=check)
         exp.close()
         if out.exists():

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from bitpress.errors import QuantizationError
 from bitpress.hf.rules import HfQuantOptions
 from bitpress.models.hf_model import HfModel
+from bitpress.onnx.kernels import TargetOptions
 from bitpress.options import option
 from bitpress.passes import Pass, PassContext
 from bitpress.quant.solver import BlockSolver
@@ -105,7 +106,7 @@ class HfQuantPass(Pass):
 
 
 @dataclass
-class HfToOnnxOptions:
+class HfToOnnxOptions(TargetOptions):
     split_embedding: bool = option(
         False, "write embedding.onnx + decoder.onnx (a tied table stored once, shared) instead of model.onnx"
     )
@@ -143,7 +144,8 @@ class HfToOnnxPass(Pass):
         o = self.options
         model.allow(trust_remote_code=o.trust_remote_code, allow_pickle=o.allow_pickle)
         workdir = context.workdir if context.workdir is not None else Path(tempfile.mkdtemp(prefix="bitpress-export-"))
-        return export(model, Path(workdir) / "export", split_embedding=o.split_embedding, opset=o.opset)
+        return export(model, Path(workdir) / "export", split_embedding=o.split_embedding, opset=o.opset,
+                      accuracy_level=o.resolved_accuracy_level())
 
 
 @dataclass

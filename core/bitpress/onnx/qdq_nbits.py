@@ -52,6 +52,7 @@ from bitpress.errors import QuantizationError, UsageError
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx import weightonly
 from bitpress.onnx.graph import consumers, ensure_opsets
+from bitpress.onnx.kernels import TargetOptions
 from bitpress.onnx.layout import pack_along_last
 from bitpress.onnx.tensors import is_external, iter_graphs, tensor_nbytes
 from bitpress.onnx.weightonly.planning import Group, Use
@@ -483,19 +484,14 @@ def convert_qdq_to_nbits(
 
 # -- the host pass ------------------------------------------------------------------------------------
 @dataclass
-class QdqToNbitsOptions:
+class QdqToNbitsOptions(TargetOptions):
     """Options of the ``qdq_to_nbits`` pass."""
 
-    accuracy_level: int = option(
-        0, "MatMulNBits accuracy_level: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 compute"
-    )
     nodes_to_exclude: list[str] = option(
         [], "MatMul nodes left as DequantizeLinear -> MatMul (names, globs or re:REGEX)"
     )
 
     def validate(self) -> None:
-        if self.accuracy_level not in range(5):
-            raise ValueError("accuracy_level must be 0..4")
         NameMatcher(self.nodes_to_exclude, what="nodes_to_exclude")
 
 
@@ -518,7 +514,7 @@ class QdqToNbitsPass(Pass):
         for pattern in exclude.unmatched(node_key(n) for n in matmuls):
             log.warning("%s: nodes_to_exclude pattern %r matches no MatMul", model.source.name, pattern)
         nodes = [node_key(n) for n in matmuls if not exclude.matches(node_key(n))] if exclude else None
-        result = convert_qdq_to_nbits(model, accuracy_level=self.options.accuracy_level, nodes=nodes)
+        result = convert_qdq_to_nbits(model, accuracy_level=self.options.resolved_accuracy_level(), nodes=nodes)
         if not result.converted:
             reasons = defaultdict(list)
             for name, why in result.skipped.items():

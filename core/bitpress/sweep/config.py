@@ -43,7 +43,8 @@ PUBLISH_KEYS = ("matrix", "reference")
 #: the pass name of a publish cell's job
 PUBLISH = "publish"
 PASS_KEYS = ("type", "precision", "options", "grid")
-EVAL_KEYS = ("text", "tokenizer", "windows", "seq_len", "samples", "batch", "seed", "data", "weights")
+EVAL_KEYS = ("text", "tokenizer", "windows", "seq_len", "samples", "batch", "seed", "data", "weights", "speed",
+             "speed_runs")
 #: the most combinations one sweep may hold
 MAX_JOBS = 10_000
 #: hex digits of a job's id
@@ -63,12 +64,14 @@ class EvalSpec:
     seed: int = 0
     data: str | None = None  # inputs of the output comparison (default: random, or the text's windows)
     weights: bool = True  # also the SQNR of every quantized weight
+    speed: bool = True  # also the output's speed against the input's, measured alternately in the job
+    speed_runs: int = 3
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`bitpress.evaluate`."""
         return {"text": self.text, "tokenizer": self.tokenizer, "max_windows": self.windows, "seq_len": self.seq_len,
                 "samples": self.samples, "batch": self.batch, "seed": self.seed, "data": self.data,
-                "weights": self.weights, "jobs": 1}
+                "weights": self.weights, "jobs": 1, "speed": self.speed, "speed_runs": self.speed_runs}
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -452,7 +455,7 @@ def _eval(raw: Any) -> EvalSpec | None:
         if key == "text" and not Path(path).is_file():
             raise ConfigError(f"eval.text: {path} is not a file; give a text file")
         values[key] = path
-    for key in ("windows", "seq_len", "samples", "batch"):
+    for key in ("windows", "seq_len", "samples", "batch", "speed_runs"):
         if raw.get(key) is not None:
             value = raw[key]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -462,10 +465,11 @@ def _eval(raw: Any) -> EvalSpec | None:
         if isinstance(raw["seed"], bool) or not isinstance(raw["seed"], int):
             raise ConfigError(f"eval.seed: expected an integer, got {_kind(raw['seed'])}")
         values["seed"] = raw["seed"]
-    if raw.get("weights") is not None:
-        if not isinstance(raw["weights"], bool):
-            raise ConfigError(f"eval.weights: expected true or false, got {_kind(raw['weights'])}")
-        values["weights"] = raw["weights"]
+    for key in ("weights", "speed"):
+        if raw.get(key) is not None:
+            if not isinstance(raw[key], bool):
+                raise ConfigError(f"eval.{key}: expected true or false, got {_kind(raw[key])}")
+            values[key] = raw[key]
     if "tokenizer" in values and "text" not in values and "data" not in values:
         raise ConfigError("eval.tokenizer applies to a text (eval.text) or text data (eval.data); give one or "
                           "remove the tokenizer")

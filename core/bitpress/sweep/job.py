@@ -157,7 +157,8 @@ def evaluate_cell(package: Path, reference: Path, cell: dict[str, Any], ev: dict
         raise ModelLoadError(f"the reference cell {cell['reference_folder']} (job {reference.name}) has no package: "
                             "its job failed; fix it (its row says why) and rerun the sweep")
     res = evaluate(package, reference, text=ev["text"], tokenizer=ev.get("tokenizer"), seq_len=ev["seq_len"],
-                   max_windows=ev.get("max_windows"), weights=False, jobs=1)
+                   max_windows=ev.get("max_windows"), weights=False, jobs=1, speed=ev.get("speed", True),
+                   speed_runs=ev.get("speed_runs", 3))
     out = metrics(res)
     ppl = res.perplexity
     out["reference"] = cell["reference_folder"]
@@ -233,6 +234,16 @@ def metrics(res: Any) -> dict[str, Any]:
         "sqnr_median_db": sqnr.get("median_db"),
         "sqnr_min_db": sqnr.get("min_db"),
     }
+    speed = data.get("speed")
+    if speed:  # the output against its input, timed alternately: ratios, and the figures they come from
+        q, key = speed["quantized"], "decode" if speed["kind"] == "genai" else "single"
+        out.update({
+            "speedup": speed["ratios"][key], "prompt_speedup": speed["ratios"]["prompt"],
+            "tokens_per_s": q.get("decode_tokens_per_s", q.get("single_tokens_per_s")),
+            "prompt_tokens_per_s": q["prompt_tokens_per_s"], "peak_rss": q["peak_rss"],
+            "speed_machine": f"{speed['machine']['cpu']} ({' '.join(speed['machine']['flags'])}), "
+                             f"{speed['threads']} thread(s)",
+        })
     return out
 
 

@@ -1,10 +1,13 @@
-"""``OUT/report.html``: the size / error trade-off of a sweep, self-contained.
+"""``OUT/report.html``: the size / error and speed / error trade-offs of a sweep, self-contained.
 
-One inline SVG chart (drawn here: no scripts, fonts or styles from elsewhere) of every finished
-job: x is the bits per weight (or the output's size when a job does not report it), y the error
-(the perplexity change with a text, else the relative error of the main output). Each model's
-Pareto-optimal jobs (no other job of that model is at least as small and as accurate, and
-better in one) are filled and joined by a line. Below it, the table of every job.
+Inline SVG charts (drawn here: no scripts, fonts or styles from elsewhere) of every finished
+job: y is the error (the perplexity change with a text, else the relative error of the main
+output); x is the bits per weight (or the output's size when a job does not report it) in the
+first chart, and in the second the output's speed against its input model (decode tokens/s of a
+GenAI package, one-token calls/s of an ONNX model, measured alternately with the input by
+:func:`bitpress.speed.compare`). Each model's Pareto-optimal jobs (no other job of that model is
+at least as small, or as fast, and as accurate, and better in one) are filled and joined by a
+line. Below them, the table of every job.
 """
 
 from __future__ import annotations
@@ -23,7 +26,11 @@ METRIC_TITLES = {
     "perplexity_change": "perplexity change (relative)",
     "relative_error": "relative output error (L2)",
 }
-X_TITLES = {"bits_per_weight": "bits per weight", "model_bytes": "output size (MB)"}
+X_TITLES = {"bits_per_weight": "bits per weight", "model_bytes": "output size (MB)",
+            "speedup": "speed vs the input model (x, higher is faster)"}
+#: x keys read from a row's metrics (the others are the row's own fields), and whether a larger x is better
+METRIC_X = {"speedup"}
+HIGHER_IS_BETTER = {"speedup"}
 
 
 # -- figures ---------------------------------------------------------------------------------------
@@ -48,7 +55,7 @@ def x_metric(rows: list[dict[str, Any]], metric: str) -> str:
 
 
 def x_value(row: dict[str, Any], key: str) -> float | None:
-    return number(row.get(key))
+    return number((row.get("metrics") or {}).get(key) if key in METRIC_X else row.get(key))
 
 
 def points(rows: list[dict[str, Any]], xkey: str, metric: str) -> list[tuple[dict[str, Any], float, float]]:
@@ -72,9 +79,10 @@ def pareto_ids(pts: list[tuple[str, float, float]]) -> set[str]:
 
 def pareto_rows(rows: list[dict[str, Any]], xkey: str, metric: str) -> dict[str, set[str]]:
     """Model path -> ids of its Pareto-optimal jobs (per model: models are not compared)."""
+    sign = -1.0 if xkey in HIGHER_IS_BETTER else 1.0  # faster is better: the front of -speed
     by_model: dict[str, list[tuple[str, float, float]]] = {}
     for r, x, y in points(rows, xkey, metric):
-        by_model.setdefault(r["model"], []).append((r["id"], x, y))
+        by_model.setdefault(r["model"], []).append((r["id"], sign * x, y))
     return {m: pareto_ids(pts) for m, pts in by_model.items()}
 
 
@@ -122,11 +130,15 @@ def _fmt(v: float) -> str:
 
 
 def svg_chart(rows: list[dict[str, Any]], metric: str, names: dict[str, str], width: int = 960,
-              height: int = 560) -> str:
-    """The size / error chart of ``rows``; every point a ``<g class="point">`` with its label."""
-    xkey = x_metric(rows, metric)
+              height: int = 560, xkey: str | None = None) -> str:
+    """The size (or, with ``xkey="speedup"``, speed) / error chart of ``rows``; every point a
+    ``<g class="point">`` with its label."""
+    xkey = xkey or x_metric(rows, metric)
     pts = points(rows, xkey, metric)
     if not pts:
+        if xkey == "speedup":
+            return ('<p class="empty">No finished job with a speed figure yet (eval.speed: false measures '
+                    "none).</p>")
         return ('<p class="empty">No finished job with an error figure yet: the chart appears once a job has '
                 "been evaluated.</p>")
     scale = 1e-6 if xkey == "model_bytes" else 1.0
@@ -205,7 +217,8 @@ def svg_chart(rows: list[dict[str, Any]], metric: str, names: dict[str, str], wi
         ly += 18
     out.append(f'<text x="{left + pw + 14}" y="{ly + 10}" fill="#555">filled, joined: Pareto-optimal</text>')
     out.append(f'<text x="{left + pw + 14}" y="{ly + 24}" fill="#555">hollow: another job of the model is</text>')
-    out.append(f'<text x="{left + pw + 14}" y="{ly + 38}" fill="#555">smaller and more accurate</text>')
+    better = "faster" if xkey in HIGHER_IS_BETTER else "smaller"
+    out.append(f'<text x="{left + pw + 14}" y="{ly + 38}" fill="#555">{better} and more accurate</text>')
     out.append("</svg>")
     return "\n".join(out)
 
@@ -275,6 +288,12 @@ def render_html(rows: list[dict[str, Any]], cfg: SweepConfig) -> str:
         "<h2>Size / error trade-off</h2>",
         svg_chart(rows, metric, names) if ev is not None else
         '<p class="empty">Not evaluated (eval: false): no error figures, the sizes are in the table.</p>',
+        "<h2>Speed / error trade-off</h2>",
+        svg_chart(rows, metric, names, xkey="speedup") if ev is not None and ev.speed else
+        '<p class="empty">Speed not measured (eval: false, or eval.speed: false).</p>',
+        '<p class="meta">speed: the output against its input model, measured alternately in the job (decode '
+        "tokens/s of a GenAI package, one-token calls/s of an ONNX model); absolute figures in the table, "
+        "labelled with the CPU in results.jsonl.</p>",
         "<h2>Pareto-optimal jobs</h2>",
     ]
     front_lines = []
@@ -286,7 +305,8 @@ def render_html(rows: list[dict[str, Any]], cfg: SweepConfig) -> str:
     parts.append("<ul>" + "".join(front_lines) + "</ul>")
     parts.append("<h2>Every job</h2>")
     head = ["id", "model", "pass", "options", "status", "size (bytes)", "bits / weight", "rel. error", "cosine",
-            "top-1", "perplexity", "ppl change", "SQNR median (dB)", "seconds", "output / error"]
+            "top-1", "perplexity", "ppl change", "SQNR median (dB)", "speed (x)", "tokens / s", "prompt (x)",
+            "seconds", "output / error"]
     parts.append("<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>")
     order = sorted(rows, key=lambda r: (names.get(r["model"], r["model"]), r["pass"], r.get("label") or ""))
     for r in order:
@@ -310,6 +330,7 @@ def render_html(rows: list[dict[str, Any]], cfg: SweepConfig) -> str:
             + _cell(r.get("bits_per_weight")) + _cell(met.get("relative_error")) + _cell(met.get("cosine"), 6)
             + _cell(met.get("top1_agreement")) + _cell(met.get("perplexity"))
             + _cell(met.get("perplexity_change")) + _cell(met.get("sqnr_median_db"))
+            + _cell(met.get("speedup"), 3) + _cell(met.get("tokens_per_s"), 4) + _cell(met.get("prompt_speedup"), 3)
             + _cell((r.get("seconds") or {}).get("total"), 3)
             + f"<td>{html.escape(str(last or ''))}</td></tr>")
     parts.append("</tbody></table>")

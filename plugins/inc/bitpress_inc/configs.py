@@ -12,6 +12,7 @@ from typing import Any
 import onnx
 
 from bitpress.errors import UsageError
+from bitpress.onnx.kernels import resolve_accuracy_level
 from bitpress.onnx.tensors import iter_graphs
 from bitpress_inc.options import REFUSED, Int8Options, SmoothQuantOptions, StaticOptions, WeightOnlyConfig
 
@@ -151,7 +152,8 @@ def woq_config(w: WeightOnlyConfig, nodes_to_exclude: list[str], *, algorithm: s
     cls = {"RTN": config.RTNConfig, "AWQ": config.AWQConfig}[algorithm]
     kwargs: dict[str, Any] = {
         "weight_bits": w.bits, "weight_group_size": group_size or w.group_size,
-        "weight_sym": (w.scheme == "sym") if sym is None else sym, "accuracy_level": w.accuracy_level,
+        "weight_sym": (w.scheme == "sym") if sym is None else sym,
+        "accuracy_level": resolve_accuracy_level(w.accuracy_level, "cpu"),
         "providers": [CPU],
     }
     if algorithm == "AWQ":

@@ -58,8 +58,9 @@ class WeightOnlyConfig:
         "RTN", "RTN: round to nearest; AWQ: activation-aware scales (needs data); GPTQ: refused, see docs "
         "(either case, as Olive's configs write them)"
     )
-    accuracy_level: int = option(
-        0, "MatMulNBits compute precision hint: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 activations"
+    accuracy_level: int | None = option(
+        None, "MatMulNBits compute precision hint: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 activations; "
+        "null: 4, what runs fastest on CPU (bitpress.onnx.kernels)"
     )
     enable_auto_scale: bool = option(True, "AWQ: search per-channel activation-aware scales")
     enable_mse_search: bool = option(True, "AWQ: search a clipping ratio per weight by output MSE")
@@ -73,7 +74,7 @@ class WeightOnlyConfig:
         if self.bits != 4:
             raise ValueError(f"bits={self.bits}: {REFUSED['bits']}")
         check_block_size(self.group_size, "group_size")
-        if not 0 <= self.accuracy_level <= 4:
+        if self.accuracy_level is not None and not 0 <= self.accuracy_level <= 4:
             raise ValueError(f"accuracy_level must be 0 to 4, got {self.accuracy_level}")
         if self.algorithm == "GPTQ":
             raise ValueError(f"algorithm GPTQ is refused: {REFUSED['gptq']}")

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from bitpress.errors import UsageError
 from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx.kernels import resolve_accuracy_level
 from bitpress.options import option
 from bitpress.passes import Pass, PassContext
 from bitpress.quant.solver import check_block_size
@@ -111,8 +112,9 @@ class ModelOptInt4Options:
         "matmulnbits", "matmulnbits: com.microsoft MatMulNBits, the same integers and scales as ModelOpt wrote "
         "(smaller, loads faster); qdq: ModelOpt's DequantizeLinear(int4, blocked) -> MatMul at opset 21"
     )
-    accuracy_level: int = option(
-        0, "MatMulNBits accuracy_level (output_format matmulnbits): 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8"
+    accuracy_level: int | None = option(
+        None, "MatMulNBits accuracy_level (output_format matmulnbits): 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8; "
+        "null: 4, what runs fastest on CPU (bitpress.onnx.kernels)"
     )
 
     def method(self) -> Int4Method:
@@ -133,7 +135,7 @@ class ModelOptInt4Options:
             raise ValueError(
                 f"use_zero_point: ModelOpt's {self.method()} is symmetric only (awq_lite takes zero points)"
             )
-        if self.accuracy_level not in range(5):
+        if self.accuracy_level is not None and self.accuracy_level not in range(5):
             raise ValueError(f"accuracy_level must be 0 to 4, got {self.accuracy_level}")
         if self.accuracy_level and self.output_format == "qdq":
             raise ValueError("accuracy_level is a MatMulNBits attribute: it needs output_format matmulnbits")
@@ -203,7 +205,8 @@ class ModelOptInt4Pass(_ModelOptPass):
             quantized_ops=("DequantizeLinear",), feeds=feeds, details=details,
         )
         return run_modelopt(model, context, pass_name=self.name, call=call, check=check,
-                            to_nbits=o.accuracy_level if o.output_format == "matmulnbits" else None)
+                            to_nbits=resolve_accuracy_level(o.accuracy_level, "cpu") if o.output_format == "matmulnbits"
+                            else None)
 
 
 def _layers_8bit(pass_name: str, patterns: str, quantizable: list[str]) -> list[str]:

@@ -18,6 +18,7 @@ import onnx
 from bitpress.cpu import ReduceRange, resolve_reduce_range
 from bitpress.errors import UsageError
 from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx.kernels import resolve_accuracy_level
 from bitpress.onnx.tensors import iter_graphs
 from bitpress.options import option
 from bitpress.passes import Pass, PassContext
@@ -258,8 +259,9 @@ class QuarkInt4Options:
         None, "default algorithm only: symmetric (no zero points); unset: symmetric for default, "
         "asymmetric for hqq"
     )
-    accuracy_level: int = option(
-        0, "MatMulNBits compute precision hint: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 activations"
+    accuracy_level: int | None = option(
+        None, "MatMulNBits compute precision hint: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 activations; "
+        "null: 4, what runs fastest on CPU (bitpress.onnx.kernels)"
     )
     optimize_model: bool = option(
         True, "let Quark run ONNX Runtime's graph optimizations first (fuses GELU, folds constants)"
@@ -267,7 +269,7 @@ class QuarkInt4Options:
 
     def validate(self) -> None:
         check_block_size(self.block_size)
-        if not 0 <= self.accuracy_level <= 4:
+        if self.accuracy_level is not None and not 0 <= self.accuracy_level <= 4:
             raise ValueError(f"accuracy_level must be 0 to 4, got {self.accuracy_level}")
         if self.algorithm == "hqq" and self.symmetric:
             raise ValueError("algorithm=hqq is always asymmetric: drop symmetric=true")
@@ -287,13 +289,14 @@ class QuarkInt4Pass(_QuarkPass):
         model = self._onnx(model)
         o: QuarkInt4Options = self.options
         symmetric = o.algorithm == "default" if o.symmetric is None else o.symmetric
+        level = resolve_accuracy_level(o.accuracy_level, "cpu")
 
         def make_config(quark_onnx: Any, tmp: Path, external: bool) -> Any:
             from quark.onnx.quantization.config.config import Config
             from quark.onnx.quantization.config.legacy import QuantizationConfig
 
             params = {"Algorithm": o.algorithm.upper(), "GroupSize": o.block_size, "Symmetric": symmetric,
-                      "Bits": 4, "AccuracyLevel": o.accuracy_level}
+                      "Bits": 4, "AccuracyLevel": level}
             return Config(global_quant_config=QuantizationConfig(
                 optimize_model=o.optimize_model,
                 use_external_data_format=external,
@@ -308,7 +311,7 @@ class QuarkInt4Pass(_QuarkPass):
             make_config=make_config,
             # Quark's reader check wants one sample; the DEFAULT and HQQ paths never run it
             feeds=placeholder_feeds(model), quantized_ops=("MatMulNBits",),
-            post=_set_accuracy_level(o.accuracy_level),
+            post=_set_accuracy_level(level),
         )
 
 

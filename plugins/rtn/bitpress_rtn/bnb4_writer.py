@@ -16,6 +16,7 @@ from onnx import helper
 from bitpress.errors import QuantizationError
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.graph import MS_DOMAIN
+from bitpress.onnx.kernels import bnb4_path
 from bitpress.onnx.weightonly import Group, Plan, Report, WeightOnlyOptions, plan, planned_report
 from bitpress.onnx.weightonly.report import Estimate
 from bitpress.passes import PassContext
@@ -56,7 +57,7 @@ def quantize_bnb4_model(model: Any, opts: Any, context: PassContext, planned: Pl
     if not isinstance(model, OnnxModel):
         raise QuantizationError(f"bnb4 quantizes ONNX models, got {model.kind}")
     p = planned if planned is not None else bnb4_plan(model, opts)
-    report = planned_report(model, p, bnb4_estimate(opts))
+    report = planned_report(model, p, bnb4_estimate(opts), lambda group: bnb4_path("cpu"))
     report.planned = False
     for warning in p.unmatched:
         log.warning("%s: %s", model.source.name, warning)

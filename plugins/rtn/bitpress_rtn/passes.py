@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from bitpress.errors import QuantizationError
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.weightonly import Plan, WeightOnlyOptions, WeightOnlyPass
-from bitpress.onnx.weightonly.report import Estimate
+from bitpress.onnx.weightonly.report import Estimate, KernelOf
 from bitpress.options import option
 from bitpress.passes import PassContext
 from bitpress.quant.solver import BlockSolver, PackingKernel, check_block_size
@@ -74,6 +74,12 @@ class Bnb4Pass(WeightOnlyPass):
         from bitpress_rtn.bnb4_writer import bnb4_estimate
 
         return bnb4_estimate(self.options)
+
+    def kernel(self) -> KernelOf:
+        """MatMulBnb4 has no fast form on CPU: ONNX Runtime dequantizes the whole weight on every call."""
+        from bitpress.onnx.kernels import bnb4_path
+
+        return lambda group: bnb4_path("cpu")
 
     def run(self, model: Any, context: PassContext) -> Any:
         from bitpress_rtn.bnb4_writer import quantize_bnb4_model

@@ -94,7 +94,7 @@ class CalibratedPass(WeightOnlyPass):
             raise UsageError(f"{self.name} needs calibration data: give --data (a .txt file with --tokenizer, "
                              "a .npz file or folder, or random)")
         p = self.weight_plan(model)
-        report = planned_report(model, p, self.estimate())
+        report = planned_report(model, p, self.estimate(), self.kernel())
         log_plan(report, p, model)
         report.planned = False
         if not p.groups:
@@ -136,7 +136,7 @@ class CalibratedPass(WeightOnlyPass):
         used_until = {g.weight: max([splan.stage_of_node.get(node_index[id(n)], -1)
                                      for u in g.uses for n in (u.node, u.transpose) if n is not None])
                       for g in p.groups}
-        writer = Writer(model, opts.accuracy_level)
+        writer = Writer(model, opts.resolved_accuracy_level(), opts.float_zero_point_form)
         store = FrontierStore(folder, opts.memory_mb << 20)
         substitutes = SubstituteStore(folder / "substitutes") if opts.sequential else None
         scalings: list[InputScaling] = []

@@ -17,7 +17,7 @@ from bitpress.memory import trim_heap
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.weightonly.planning import Group, Plan, WeightOnlyOptions, plan
 from bitpress.onnx.weightonly.reading import current_chunk_elements
-from bitpress.onnx.weightonly.report import Estimate, Report, nbits_estimate, planned_report
+from bitpress.onnx.weightonly.report import Estimate, KernelOf, Report, nbits_estimate, nbits_kernel, planned_report
 from bitpress.onnx.weightonly.solving import Solved, SolveTask, result_of, solve_task, task_of
 from bitpress.onnx.weightonly.writing import Writer
 from bitpress.passes import Pass, PassContext
@@ -38,13 +38,14 @@ def quantize_weights(
     The report holds one row per candidate weight, with what the run measured.
     """
     p = planned if planned is not None else plan(model, opts)
-    report = planned_report(model, p, nbits_estimate(float_zero_points))
+    report = planned_report(model, p, nbits_estimate(float_zero_points, opts.float_zero_point_form),
+                            nbits_kernel(opts, float_zero_points))
     log_plan(report, p, model)
     report.planned = False
     if not p.groups:
         log.warning("no weights to quantize in %s: %s", model.source.name, report.summary())
         return report
-    writer = Writer(model, opts.accuracy_level)
+    writer = Writer(model, opts.resolved_accuracy_level(), opts.float_zero_point_form)
     spec = ExecutorSpec.from_value(context.executor)
     remote = spec.type != "threads"
     # a worker process reads its weight from where it lies (a file range) and must be told the chunk
@@ -147,14 +148,18 @@ class WeightOnlyPass(Pass):
 
     def estimate(self) -> Estimate:
         """The cost of each planned weight's layout (bytes, zero-point kind, ops written)."""
-        return nbits_estimate(self.float_zero_points())
+        return nbits_estimate(self.float_zero_points(), self.options.float_zero_point_form)
+
+    def kernel(self) -> KernelOf:
+        """The ONNX Runtime kernel each planned weight will run on, on the options' target."""
+        return nbits_kernel(self.options, self.float_zero_points())
 
     def plan_report(self, model: OnnxModel) -> Report:
         """A dry run: the per-weight table of what :meth:`run` would do; reads no weight data."""
         if not isinstance(model, OnnxModel):
             raise QuantizationError(f"{self.name} quantizes ONNX models, got {model.kind}")
         p = self.weight_plan(model)
-        report = planned_report(model, p, self.estimate())
+        report = planned_report(model, p, self.estimate(), self.kernel())
         for warning in p.unmatched:
             log.warning("%s: %s", model.source.name, warning)
         return report

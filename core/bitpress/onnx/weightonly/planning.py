@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import onnx
 from onnx import helper
 
 from bitpress.models.onnx_model import OnnxModel
-from bitpress.onnx import layout
+from bitpress.onnx import kernels, layout
 from bitpress.onnx.graph import consumers, producers, used_names
 from bitpress.options import option
 from bitpress.quant.solver import check_block_size
@@ -27,14 +27,16 @@ FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProt
 
 # -- options -----------------------------------------------------------------------------------
 @dataclass
-class WeightOnlyOptions:
+class WeightOnlyOptions(kernels.TargetOptions):
     """Options every weight-only pass shares; the names follow Olive's passes."""
 
     bits: int = option(4, "bits per weight: 4 or 8 (set by --precision int4/int8)")
     block_size: int = option(32, "weights per block along K: a power of two from 16 to 256")
     is_symmetric: bool = option(False, "symmetric quantization (no zero points stored)")
-    accuracy_level: int = option(
-        0, "MatMulNBits accuracy_level: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 compute"
+    float_zero_point_form: Literal["correction", "native"] = option(
+        "correction", "how float zero points are written: correction (symmetric MatMulNBits + an exact "
+        "per-block correction from the input's block sums: fast kernels) or native (MatMulNBits float zero "
+        "points: ONNX Runtime dequantizes the whole weight on every call)"
     )
     op_types: list[str] = option(["MatMul", "Gemm", "Gather"], "op types whose weights are quantized")
     nodes_to_include: list[str] = option(
@@ -50,8 +52,6 @@ class WeightOnlyOptions:
 
     def validate(self) -> None:
         check_bits_block(self.bits, self.block_size, "")
-        if self.accuracy_level not in range(5):
-            raise ValueError("accuracy_level must be 0..4")
         bad = sorted(set(self.op_types) - {"MatMul", "Gemm", "Gather"})
         if bad:
             raise ValueError(f"op_types {bad} are not supported; use MatMul, Gemm, Gather")

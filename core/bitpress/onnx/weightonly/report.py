@@ -17,12 +17,15 @@ import numpy as np
 import onnx
 
 from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx import kernels
 from bitpress.onnx.tensors import np_dtype
-from bitpress.onnx.weightonly.planning import FLOAT_TYPES, Group, Plan, zero_point_kind
+from bitpress.onnx.weightonly.planning import FLOAT_TYPES, Group, Plan, WeightOnlyOptions, zero_point_kind
 from bitpress.onnx.weightonly.writing import planned_bytes
 
 #: (group, tensor) -> (bytes stored, zero-point kind, ops written): a layout's cost, known before solving
 Estimate = Callable[[Group, onnx.TensorProto], tuple[int, str, str]]
+#: group -> the ONNX Runtime kernel its MatMul will run on (:mod:`bitpress.onnx.kernels`)
+KernelOf = Callable[[Group], kernels.KernelPath]
 
 
 @dataclass
@@ -39,6 +42,8 @@ class WeightRow:
     symmetric: bool | None = None
     zero_points: str | None = None  # none / uint8 / float
     writes: str | None = None  # the ops that will read it: MatMulNBits, GatherBlockQuantized, ...
+    kernel: str | None = None  # the ONNX Runtime kernel it will run on (bitpress.onnx.kernels), on the target
+    slow: bool = False  # that kernel dequantizes the weight on every call (slower than float)
     tied: bool = False  # one table read by Gather and MatMul (embedding + LM head), stored once
     reason: str | None = None  # why it stays float
     note: str | None = None  # a setting the planner adjusted, or why a preset chose these bits
@@ -163,24 +168,46 @@ class Report:
                 row.output_error = error
 
 
-def nbits_estimate(float_zero_points: bool) -> Estimate:
-    """The cost of the host's MatMulNBits / GatherBlockQuantized layouts."""
+def nbits_estimate(float_zero_points: bool, float_zero_point_form: str = "correction") -> Estimate:
+    """The cost of the host's MatMulNBits / GatherBlockQuantized layouts (a block-sum correction stores
+    as many bytes as the float zero points it replaces)."""
 
     def estimate(group: Group, tensor: onnx.TensorProto) -> tuple[int, str, str]:
         zp = zero_point_kind(group, float_zero_points)
         ops = dict.fromkeys("GatherBlockQuantized" if u.is_gather else "MatMulNBits" for u in group.uses)
-        return planned_bytes(group, tensor, zp), zp, "+".join(ops)
+        corrected = zp == "float" and float_zero_point_form == "correction" and "MatMulNBits" in ops
+        if corrected:
+            ops["correction"] = None
+        return planned_bytes(group, tensor, zp, corrected), zp, "+".join(ops)
 
     return estimate
 
 
-def planned_report(model: OnnxModel, p: Plan, estimate: Estimate) -> Report:
-    """A :class:`Report` of what ``p`` will do to ``model`` (``planned=True``); reads no weight data."""
+def nbits_kernel(opts: WeightOnlyOptions, float_zero_points: bool) -> KernelOf:
+    """The kernel each group written by the host's :class:`~bitpress.onnx.weightonly.Writer` runs on."""
+    level = opts.resolved_accuracy_level()
+
+    def kernel(group: Group) -> kernels.KernelPath:
+        if all(u.is_gather for u in group.uses):
+            return kernels.KernelPath("gather")
+        zp = zero_point_kind(group, float_zero_points)
+        corrected = zp == "float" and opts.float_zero_point_form == "correction"
+        return kernels.matmul_nbits_path(group.bits, level, "none" if corrected else zp, target=opts.target,
+                                         corrected=corrected)
+
+    return kernel
+
+
+def planned_report(model: OnnxModel, p: Plan, estimate: Estimate, kernel: KernelOf | None = None) -> Report:
+    """A :class:`Report` of what ``p`` will do to ``model`` (``planned=True``); reads no weight data.
+
+    ``kernel``: the ONNX Runtime kernel of each planned group (the plan's ``kernel`` column)."""
     inits = model.initializers()
     groups = {g.weight: g for g in p.groups}
     rows: list[WeightRow] = []
     report = Report(skipped=dict(p.skipped), planned=True, unmatched=list(p.unmatched))
     seen: set[str] = set()
+    slow: dict[tuple[str, str | None, str | None], list[str]] = {}
     for weight, uses in p.uses.items():
         tensor = inits[weight]
         seen.add(weight)
@@ -195,6 +222,11 @@ def planned_report(model: OnnxModel, p: Plan, estimate: Estimate) -> Report:
             row.bits, row.block_size, row.symmetric, row.zero_points, row.writes = (
                 g.bits, g.block_size, g.symmetric, zp, writes)
             row.expected_bits = 8 * nbytes / numel if numel else 0.0
+            if kernel is not None:
+                path = kernel(g)
+                row.kernel, row.slow = path.label, path.slow
+                if path.slow:
+                    slow.setdefault((path.label, path.reason, path.fix), []).append(weight)
             report.planned_groups += 1
             report.planned_weights += numel
             report.planned_bytes += nbytes
@@ -207,6 +239,11 @@ def planned_report(model: OnnxModel, p: Plan, estimate: Estimate) -> Report:
             ops = [f"{node.op_type} {what}"] if node is not None else []
             rows.append(WeightRow(what, ops, [], "", False, reason=why))
     report.rows = rows
+    for (label, reason, fix), weights in slow.items():
+        report.notes.append(
+            f"{len(weights)} weight(s) will run on ONNX Runtime's slow path ({label}; {weights[0]}"
+            + (f" and {len(weights) - 1} more" if len(weights) > 1 else "") + f"): {reason}"
+            + (f"; to avoid it: {fix}" if fix else ""))
     left_n = left_b = 0
     for name, t in inits.items():
         if name in groups or t.data_type not in FLOAT_TYPES:
