@@ -98,7 +98,8 @@ def test_float_zero_points_are_written_and_run(models, tmp_path):
     assert mm and all(inits[n.input[3]].data_type == onnx.TensorProto.FLOAT for n in mm)
     c = onnx.load(str(outs["correction"]))
     mm_c = [n for n in c.graph.node if n.op_type == "MatMulNBits"]
-    assert len(mm_c) == len(mm) and all(len(n.input) == 3 for n in mm_c)  # symmetric: no zero points
+    c_inits = {t.name: t for t in c.graph.initializer}
+    assert len(mm_c) == len(mm) and all(c_inits[n.input[3]].data_type == onnx.TensorProto.UINT8 for n in mm_c)
     assert set(find_corrections(c.graph)) == {n.name for n in mm_c}
     assert weight_error(models["decoder"], outs["correction"]) == pytest.approx(
         weight_error(models["decoder"], outs["native"]), rel=1e-5)

@@ -67,8 +67,9 @@ def test_inspect_cli_prints_what_maps_exactly(tmp_path: Path, capsys: pytest.Cap
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "gguf model" in out and "separate (output.weight)" in out
-    assert "Q4_1" in out and "MatMulNBits 4-bit block 32, float zero points" in out
-    assert "two MatMulNBits added, block 32: the low 4 bits with float zero points" in out  # Q5_1
+    assert "Q4_1" in out and "MatMulNBits 4-bit block 32, float minimum: uint8 zero points + block-sum correction" \
+        in out
+    assert "MatMulNBits 8-bit block 32, float minimum: uint8 zero points + block-sum correction" in out  # Q5_1
     assert "not convertible exactly" not in out
 
 

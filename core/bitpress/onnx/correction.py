@@ -7,12 +7,12 @@ skips prepacking and dequantizes the whole weight to float32 on every call (``ma
 prepacking needs absent or uint8 zero points): one 2048 x 2048 weight costs 5 ms per token
 instead of 0.05 ms. The same weight is written here as
 
-    w = s * (q - zi)  +  s * (zi - z)
+    w = s * (q - zi)  +  C,     zi = round(z) (uint8),  C = s * zi - s * z
 
-the first term a ``MatMulNBits`` with integer zero points ``zi`` (prepacked, int8 compute at
-``accuracy_level`` 4), the second a constant ``c = s * (zi - z)`` per block and output column.
-For an input ``x``, ``sum_k x_k * c[k // block, n]`` is ``sum_b S_b(x) * c[b, n]`` with ``S_b(x)``
-the sum of ``x`` over block ``b``, so::
+the first term a ``MatMulNBits`` with uint8 zero points (prepacked, int8 compute at
+``accuracy_level`` 4), the second a constant per block and output column. For an input ``x``,
+``sum_k x_k * C[k // block, n]`` is ``sum_b S_b(x) * C[b, n]`` with ``S_b(x)`` the sum of ``x``
+over block ``b``, so::
 
     y = MatMulNBits(x)  +  MatMul(MatMul(x, E), C)
 
@@ -21,15 +21,20 @@ that ``K`` and block size; the last block's padding rows simply do not exist) an
 N]``. Both small MatMuls cost ``1 / block_size`` of a float MatMul of the weight, and the block sums
 are computed once per input for every weight that reads it (q / k / v, gate / up).
 
-``zi``: at 4 bits the implied zero point 8 (no zero-point input: the stored bytes are exactly those
-of the float zero points; the integers span 0..15 around it, and ONNX Runtime's int8 activations
-add the same error as with ``round(z)``, measured); at 8 bits ``round(z)`` as uint8 zero points,
-because 8-bit containers often hold a narrower range (llama.cpp's 5-bit blocks: 0..31) that
-would sit far from 128. The result equals the float-zero-point weight to float rounding (the two
-terms are summed separately).
+``zi = round(z)`` keeps the first term as close to the weight as any integer zero point can: ONNX
+Runtime's int8 activations (level 4) then cost what they cost any integer-zero-point weight, and
+``s * (q - zi)`` (small integers times ``s``: exact) plus ``C`` adds without cancellation. The
+implied zero point (``2**(bits-1)``, no zero-point input) would save half a byte per 4-bit block
+but not that: integers of a narrow range (llama.cpp's Q2_K in a 4-bit container, its 5-bit blocks
+in an 8-bit one) sit far from it, and the int8 activations' error grew 6x (measured on Q2_K
+blocks). ``C`` is rounded once, from ``s * z`` in float64, or from the exact offset a caller knows
+(``offsets``: a GGUF's own minimum ``M`` of ``w = s * q - M``, which makes the sum llama.cpp's
+value bit for bit wherever ``C`` is a float32). The stored bytes are those of the float zero
+points (``C``) plus the uint8 ones.
 
-:func:`find_corrections` recognises the pattern in a graph (for ``bitpress eval``'s per-tensor
-error and for :mod:`bitpress.onnx.kernels`).
+:func:`insert_corrections` adds the nodes (the host's weight-only writer and plugins that write
+their own ``MatMulNBits`` use it); :func:`find_corrections` recognises the pattern in a graph (for
+``bitpress eval``'s per-tensor error and for :mod:`bitpress.onnx.kernels`).
 """
 
 from __future__ import annotations
@@ -51,15 +56,17 @@ def block_sum_matrix(k: int, block_size: int, dtype: np.dtype | type = np.float3
 
 
 def split_zero_points(scales: np.ndarray, zero_points: np.ndarray, bits: int,
-                      dtype: np.dtype | type = np.float32) -> tuple[np.ndarray | None, np.ndarray]:
-    """Float zero points ``z`` of ``[N, n_blocks]`` blocks as ``(zi, C)`` with ``C [n_blocks, N] = s * (zi - z)``
-    in ``dtype``: ``zi`` None (the implied ``2**(bits-1)``) at 4 bits, uint8 ``round(z)`` (clipped) at 8."""
-    s = np.asarray(scales, np.float32)
+                      dtype: np.dtype | type = np.float32,
+                      offsets: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Float zero points ``z`` of ``[N, n_blocks]`` blocks as ``(zi, C)``: uint8 ``zi = round(z)`` (clipped to the
+    integers' range) and ``C [n_blocks, N] = s * zi - s * z`` in ``dtype``, rounded once. ``offsets``: ``s * z``
+    exactly, when the caller has it (a GGUF's minimum); else computed in float64 from ``scales`` and ``z``."""
+    s = np.asarray(scales, np.float64)
     z = np.asarray(zero_points, np.float32)
-    zi = np.full(z.shape, 2 ** (bits - 1), np.float32) if bits == 4 else np.clip(np.rint(z), 0, 2**bits - 1)
-    c = s * (zi - z)
-    c_t = np.ascontiguousarray(c.T).astype(np.dtype(dtype), copy=False)
-    return (None if bits == 4 else zi.astype(np.uint8)), c_t
+    zi = np.clip(np.rint(z), 0, 2**bits - 1)
+    off = s * z.astype(np.float64) if offsets is None else np.asarray(offsets, np.float64)
+    c = s * zi - off
+    return zi.astype(np.uint8), np.ascontiguousarray(c.T).astype(np.dtype(dtype))
 
 
 def block_sum_name(k: int, block_size: int, dtype: np.dtype | type) -> str:
@@ -78,6 +85,48 @@ def correction_nodes(x: str, main_out: str, out: str, e_name: str, c_name: str, 
     nodes.append(helper.make_node("MatMul", [sums, c_name], [f"{prefix}_correction"], name=f"{prefix}_Correction"))
     nodes.append(helper.make_node("Add", [main_out, f"{prefix}_correction"], [out], name=f"{prefix}_AddCorrection"))
     return nodes
+
+
+@dataclass(frozen=True)
+class Fix:
+    """The correction of one ``MatMulNBits`` (by the output it writes): its ``C`` initializer, and the ``K``,
+    block size and dtype of the shared block-sum matrix ``E``."""
+
+    c_name: str
+    k: int
+    block_size: int
+    dtype: np.dtype
+
+
+def insert_corrections(nodes: list[onnx.NodeProto], fixes: dict[str, Fix],
+                       add_initializer: Callable[[str, np.ndarray], None]) -> list[onnx.NodeProto]:
+    """``nodes`` (graph order) with each fixed ``MatMulNBits``'s correction after it: the node now writes
+    ``<out>_nbits`` and the correction's ``Add`` writes ``<out>``, so its readers are unchanged. The block sums
+    of an input are computed once, by its first corrected reader in graph order, for every weight of the same
+    ``K`` and block size reading it; each ``E`` is added once through ``add_initializer`` (``C`` is the caller's).
+    Raises ``ValueError`` when no ``MatMulNBits`` writes an output ``fixes`` names."""
+    out: list[onnx.NodeProto] = []
+    sums: dict[tuple[str, str], str] = {}
+    added: set[str] = set()
+    done: set[str] = set()
+    for node in nodes:
+        out.append(node)
+        fix = fixes.get(node.output[0]) if node.op_type == "MatMulNBits" and node.output else None
+        if fix is None:
+            continue
+        e = block_sum_name(fix.k, fix.block_size, fix.dtype)
+        if e not in added:
+            added.add(e)
+            add_initializer(e, block_sum_matrix(fix.k, fix.block_size, fix.dtype))
+        x, y = node.input[0], node.output[0]
+        node.output[0] = f"{y}_nbits"
+        out += correction_nodes(x, node.output[0], y, e, fix.c_name, sums.get((x, e)), node.name or y)
+        sums.setdefault((x, e), f"{node.name or y}_block_sums")
+        done.add(y)
+    missing = sorted(set(fixes) - done)
+    if missing:
+        raise ValueError(f"no MatMulNBits writes {', '.join(missing[:3])}: no place for its correction")
+    return out
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ follows it. ONNX Runtime issue 29853 reports wrong results from the AVX2 (no AVX
 int8 kernel with zero points; through ``MatMulNBits`` (whose constant weights are prepacked with
 their block sums) ONNX Runtime 1.32 computes them correctly on an emulated Haswell (``qemu-x86_64
 -cpu Haswell``), within the int8-activation tolerance the AVX-512 kernels have
-(``tests/onnx/test_kernels.py``, docs/speed.md).
+(``tests/onnx/test_fast_forms.py``, docs/speed.md).
 """
 
 from __future__ import annotations

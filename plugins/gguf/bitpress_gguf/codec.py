@@ -10,26 +10,26 @@ type    bits   block  zero point   llama.cpp's value (f16 d, dmin, m read as flo
 Q4_0    4      32     8 (uint8)    ``d * (q - 8)``
 Q4_1    4      32     float        ``d * q + m``
 Q5_0    8      32     16 (uint8)   ``d * (q - 16)``, q 5-bit
-Q5_1    4+4    32     float / 0    ``d * q + m``, q 5-bit: two terms (below)
+Q5_1    8      32     float        ``d * q + m``, q 5-bit
 Q8_0    8      32     128 (uint8)  ``d * q``, q int8 (stored as q + 128)
 Q2_K    2      16     float        ``d * sc * q - dmin * m``, 4-bit sc / m per 16
 Q3_K    4      16     4 (uint8)    ``d * sc * q``, q in -4..3 (stored as q + 4), 6-bit signed sc
 Q4_K    4      32     float        ``d * sc * q - dmin * m``, 6-bit sc / m per 32
-Q5_K    4+4    32     float / 0    as Q4_K, q 5-bit: two terms (below)
+Q5_K    8      32     float        as Q4_K, q 5-bit
 Q6_K    8      16     32 (uint8)   ``d * sc * (q - 32)``, q 6-bit, int8 sc per 16
 ======  =====  =====  ===========  ==========================================================
 
-ONNX Runtime 1.32 refuses float zero points at 8 bits (measured: "MatMulNBits" fails to
-initialise), so Q5_1 and Q5_K (:attr:`TypeInfo.two_terms`) are written as two 4-bit terms whose
-sum is the weight: ``(lo - m / s) * s`` on the low four bits (float zero points, as Q4_1 / Q4_K)
-plus ``hi * 16 s`` on the fifth (integer zero point 0; ``16 s`` is exact), see :func:`two_terms`.
-``GatherBlockQuantized`` takes integer zero points only, so an embedding table of a float-zero
-type (Q4_1, Q2_K, Q4_K, Q5_x) cannot be gathered from its blocks. Integer zero points give
-llama.cpp's values bit for bit (the same float32 products). A float
-zero point ``m / s`` (``w = (q - m / s) * s``) rounds once more than llama.cpp's
-``s * q - m``: a few float32 ulps (the tests measure the worst). A block whose scale is zero
-but whose minimum is not (every value ``-m``) has no ``m / s``: it is written exactly as
-``(0 - 1) * m`` (scale ``m``, zero point 1, integers 0) and counted.
+Integer zero points give llama.cpp's values bit for bit (the same float32 products). A float
+minimum ``M`` (``w = s * q - M``) is the float zero point ``z = M / s`` of :meth:`Blocks.values`,
+which rounds once more than llama.cpp (a few float32 ulps; the tests measure the worst). What the
+conversion writes instead (:func:`integer_form`, ONNX Runtime's fast kernels, see
+:mod:`bitpress.onnx.correction`) is ``s * (q - zi) + C`` with uint8 ``zi = round(z)`` and
+``C = s * zi - M`` rounded once from the GGUF's own ``s`` and ``M``: llama.cpp's value bit for bit
+wherever ``C`` is a float32 (measured: every random block the tests draw), else within 1 ulp.
+``GatherBlockQuantized`` takes integer zero points only, so an embedding table of a float-minimum
+type (Q4_1, Q2_K, Q4_K, Q5_x) cannot be gathered from its blocks. A block whose scale is zero but
+whose minimum is not (every value ``-M``) has no ``M / s``: it is written exactly as ``(0 - 1) * M``
+(scale ``M``, zero point 1, integers 0) and counted.
 """
 
 from __future__ import annotations
@@ -49,12 +49,6 @@ class TypeInfo:
     bits: int  # of the ONNX integers
     block: int  # ONNX block size (the sub-block)
     float_zero: bool  # zero points are float (a minimum), else a fixed integer
-
-    @property
-    def two_terms(self) -> bool:
-        """Whether the type needs two ``MatMulNBits`` (:func:`two_terms`): 5-bit integers with a float minimum,
-        which no single one holds (ONNX Runtime refuses float zero points at 8 bits)."""
-        return self.float_zero and self.bits == 8
 
     @property
     def gatherable(self) -> bool:
@@ -80,13 +74,15 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 @dataclass
 class Blocks:
     """``w = (ints - zero) * scale`` per sub-block: ints ``[n, elements]`` uint8, scale / zero
-    ``[n, elements / block]`` (zero float32 or uint8)."""
+    ``[n, elements / block]`` (zero float32 or uint8); for a float-minimum type also ``minimum``, the ``M`` of
+    llama.cpp's ``w = scale * ints - M`` as llama.cpp computes it (float32, ``[n, elements / block]``)."""
 
     info: TypeInfo
     ints: np.ndarray
     scale: np.ndarray
     zero: np.ndarray
     degenerate: int = 0  # sub-blocks with a zero scale and a non-zero minimum, written exactly
+    minimum: np.ndarray | None = None
 
     def values(self) -> np.ndarray:
         """The weights ``[n, elements]`` float32, as ONNX Runtime computes them."""
@@ -138,7 +134,9 @@ def _with_minimum(info: TypeInfo, ints: np.ndarray, scale: np.ndarray, minimum: 
         scale = np.where(dead, minimum, scale)
         zero = np.where(dead, np.float32(1), zero)
         ints = q.reshape(n, e)
-    return Blocks(info, ints, scale.astype(np.float32), zero.astype(np.float32), int(dead.sum()))
+    # a dead block keeps its minimum: scale * 0 - M is still its value
+    return Blocks(info, ints, scale.astype(np.float32), zero.astype(np.float32), int(dead.sum()),
+                  np.asarray(minimum, np.float32))
 
 
 def decode(type_name: str, raw: np.ndarray) -> Blocks:
@@ -201,16 +199,21 @@ def decode(type_name: str, raw: np.ndarray) -> Blocks:
     return Blocks(info, ints.astype(np.uint8), scale.astype(np.float32), zero)
 
 
-def two_terms(ints: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                                                             np.ndarray]:
-    """Q5_1 / Q5_K blocks ``(q - z) * s`` (q 5-bit, z float) as the sum of two 4-bit block forms:
-    ``(q & 15 - z) * s + (q >> 4 - 0) * 16 s``. Returns the low integers, the high integers (0 or 1), the
-    high term's scales (``16 s``: a power of two times ``s``, exact) and its zero points (uint8 0); the low
-    term keeps ``scale`` and ``zero``. A zero-scale block written exactly (integers 0, zero point 1, scale
-    the minimum) stays exact: its high integers are 0."""
-    ints = np.asarray(ints, np.uint8)
-    return ints & np.uint8(15), ints >> np.uint8(4), (scale * np.float32(16)).astype(np.float32), \
-        np.zeros(np.shape(zero), np.uint8)
+def integer_form(scale: np.ndarray, zero: np.ndarray, minimum: np.ndarray, bits: int) -> tuple[np.ndarray,
+                                                                                         np.ndarray]:
+    """Float-minimum blocks ``s * q - M`` (``z = M / s``) as uint8 zero points ``zi`` and the per-block constant
+    ``C`` (``[n, blocks]``) of :mod:`bitpress.onnx.correction`: ``s * q - M = s * (q - zi) + C``, the host's
+    :func:`~bitpress.onnx.correction.split_zero_points` with the GGUF's own ``M`` as the exact offset.
+
+    ``C = s * zi - M`` is rounded once (float64, then float32), not ``s * (zi - z)`` (two more roundings: 1-2
+    ulps): when ``C`` is a float32, ``s * (q - zi)`` (exact: small integers times ``s``) plus ``C`` rounds once
+    to llama.cpp's ``fl(s * q - M)``, bit for bit. ``zi = round(z)`` at 4 bits too, not the implied 8: ``s * (q -
+    8)`` and ``C = 8 s - M`` cancel where ``s * q - M`` is small, which costs millions of float32 ulps of
+    llama.cpp's terms (measured on random Q4_1 / Q4_K / Q2_K blocks)."""
+    from bitpress.onnx.correction import split_zero_points
+
+    zi, c = split_zero_points(scale, zero, bits, np.float32, offsets=minimum)
+    return zi, np.ascontiguousarray(c.T)
 
 
 def pack(ints: np.ndarray, bits: int) -> np.ndarray:

@@ -8,7 +8,11 @@
    writer stores ``MatMulNBits`` / ``GatherBlockQuantized`` holding the blocks decoded by
    :mod:`bitpress_gguf.codec` (the tied table once). Before a weight is replaced, its decoded
    values are compared with the exporter's float weight (bit for bit for integer zero points,
-   within float32 rounding for float ones), which also finds the row order of q / k.
+   within float32 rounding for float ones), which also finds the row order of q / k. A float
+   minimum (Q4_1, Q2_K, Q4_K, Q5_1, Q5_K) is written as uint8 zero points plus the block-sum
+   correction of :mod:`bitpress.onnx.correction` (:func:`add_corrections`): ONNX Runtime's packed
+   kernels, llama.cpp's values (:func:`bitpress_gguf.codec.integer_form`). ``accuracy_level``:
+   the target's default (4, int8 compute, on cpu) unless given.
 3. ``genai_config.json`` comes from mobius (``build --config --no-weights`` on the GGUF's
    configuration as transformers reads it), the tokenizer and chat template from the GGUF
    through transformers; the package is then checked (ONNX checker, ONNX Runtime, one
@@ -32,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from bitpress.errors import ExportError
-from bitpress_gguf.codec import TYPES, Blocks, decode, pack, two_terms
+from bitpress_gguf.codec import TYPES, Blocks, decode, integer_form, pack
 from bitpress_gguf.model import GgufModel
 
 log = logging.getLogger(__name__)
@@ -44,15 +48,26 @@ WRITABLE_BITS = (4, 8)  # what bitpress's MatMulNBits writer packs
 
 @dataclass
 class Encoded:
-    """One weight's blocks in ``MatMulNBits`` form (rows = N)."""
+    """One weight's blocks in ``MatMulNBits`` form (rows = N): ``(q - zeros) * scales``, plus ``correction[row,
+    block]`` for a float-minimum type (:func:`bitpress_gguf.codec.integer_form`, added by :func:`add_corrections`)."""
 
     bits: int
     block: int
     packed: np.ndarray  # uint8 [rows, n_blocks, block * bits / 8]
     scales: np.ndarray  # float32 [rows, n_blocks]
-    zeros: np.ndarray  # uint8 or float32 [rows, n_blocks]
+    zeros: np.ndarray  # uint8 [rows, n_blocks]
+    correction: np.ndarray | None = None  # float32 [rows, n_blocks]
     degenerate: int = 0
-    high: Encoded | None = None  # Q5_1 / Q5_K: the fifth bit's term, added to this one (codec.two_terms)
+
+
+@dataclass
+class Fix:
+    """A block-sum correction to add after the ``MatMulNBits`` writing one weight's output."""
+
+    c_name: str  # C's initializer
+    c: np.ndarray  # float32 [rows = N, n_blocks]
+    block: int
+    k: int
 
 
 #: how each architecture's graph is built, checked against the GGUF's own model: "gguf" = mobius
@@ -104,11 +119,21 @@ def refuse_unconvertible(model: GgufModel, skip: set[str] | None = None) -> None
                           f"{summarize_names(bad)}")
 
 
-def convert(model: GgufModel, workdir: Path, *, ep: str = "cpu", check: bool = True,
-            requantize: dict[str, Any] | None = None, timeout: float = TIMEOUT_S) -> Any:
-    """Build the package (see the module's docstring) in ``workdir/package``; returns a GenaiPackage."""
-    from bitpress.hf.genai_export import GenaiPackage, check_package
+def target_of(ep: str) -> str:
+    """The kernel target (:mod:`bitpress.onnx.kernels`) a package built for ``ep`` runs on (``default``: cpu)."""
+    return "cpu" if ep == "default" else ep
 
+
+def convert(model: GgufModel, workdir: Path, *, ep: str = "cpu", check: bool = True,
+            requantize: dict[str, Any] | None = None, accuracy_level: int | None = None,
+            timeout: float = TIMEOUT_S) -> Any:
+    """Build the package (see the module's docstring) in ``workdir/package``; returns a GenaiPackage.
+    ``accuracy_level``: MatMulNBits', None for the target's default (4 on cpu and webgpu, 0 elsewhere)."""
+    from bitpress.hf.genai_export import GenaiPackage, check_package
+    from bitpress.onnx.kernels import resolve_accuracy_level
+
+    target = target_of(ep)
+    level = resolve_accuracy_level(accuracy_level, target)
     redo = requantized(model, requantize)
     refuse_unconvertible(model, skip=redo)
     workdir = Path(workdir)
@@ -124,8 +149,8 @@ def convert(model: GgufModel, workdir: Path, *, ep: str = "cpu", check: bool = T
         config = write_companions(model, workdir, out, ep, timeout)
     else:
         config = build_from_hf_folder(src, workdir, floatdir, out, ep, timeout)
-    stats = replace_weights(model, floatdir / "model.onnx", out / "model.onnx", redo=redo, requantize=requantize,
-                            workdir=workdir)
+    stats = replace_weights(model, floatdir / "model.onnx", out / "model.onnx", accuracy_level=level, target=target,
+                            redo=redo, requantize=requantize, workdir=workdir)
     shutil.rmtree(floatdir, ignore_errors=True)
     cfg_path = out / "genai_config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -135,11 +160,12 @@ def convert(model: GgufModel, workdir: Path, *, ep: str = "cpu", check: bool = T
         cfg.setdefault("search", {})["max_length"] = min(int(cfg["search"].get("max_length", context)), context)
     cfg_path.write_text(json.dumps(cfg, indent=4) + "\n")
     if check:
-        check_package(out, "cpu" if ep in ("cpu", "default") else ep)
+        check_package(out, target)
     exporter = "mobius build-gguf" if route == "gguf" else "mobius build --config (transformers' float folder)"
     made = {"source": model.source.name, "exporter": f"{exporter} + bitpress-gguf blocks",
             "exporter_arguments": ["--ep", ep, "--dtype", "f32"], "checkpoint": "gguf",
-            "architecture": model.file.architecture, "tensors": stats, "model_type": config.get("model_type")}
+            "architecture": model.file.architecture, "tensors": stats, "model_type": config.get("model_type"),
+            "accuracy_level": level}
     return GenaiPackage(model.source, out, made)
 
 
@@ -233,8 +259,9 @@ def gguf_names(weight: str, arch: str, n_blocks: int) -> list[str]:
     return [n for n in names if n] if all(names) else []
 
 
-def replace_weights(model: GgufModel, src: Path, dest: Path, *, redo: set[str] | None = None,
-                    requantize: dict[str, Any] | None = None, workdir: Path | None = None) -> dict[str, int]:
+def replace_weights(model: GgufModel, src: Path, dest: Path, *, accuracy_level: int = 4, target: str = "cpu",
+                    redo: set[str] | None = None, requantize: dict[str, Any] | None = None,
+                    workdir: Path | None = None) -> dict[str, int]:
     """Every float weight of ``src`` that a quantized GGUF tensor holds, replaced by that tensor's blocks."""
     from bitpress.models.onnx_model import OnnxModel
     from bitpress.onnx.save import SaveOptions, save_onnx
@@ -251,11 +278,13 @@ def replace_weights(model: GgufModel, src: Path, dest: Path, *, redo: set[str] |
     onnx_model = OnnxModel.load(src)
     retie_head(onnx_model, "output.weight" in f.tensors)
     p = plan(onnx_model, WeightOnlyOptions(gather_min_rows=1))
-    writer = Writer(onnx_model, 0)
+    # uint8 zero points only (float minimums come corrected), so the writer adds no correction of its own
+    writer = Writer(onnx_model, accuracy_level)
     stats = {"quantized": 0, "float": 0, "degenerate_blocks": 0}
     quantized_names = {n for n, t in f.tensors.items() if t.type_name in TYPES}
     used: set[str] = set()
     splits: list[tuple[Any, list[Encoded], int]] = []
+    fixes: dict[str, Fix] = {}  # MatMulNBits output -> its correction
     redo = redo or set()
     redo_weights: list[str] = []
     for group in p.groups:
@@ -283,34 +312,35 @@ def replace_weights(model: GgufModel, src: Path, dest: Path, *, redo: set[str] |
             raise ExportError(f"{group.weight}: {row} rows in {', '.join(names)}, the graph's weight has "
                               f"{weight.shape[0]}")
         enc = concat(parts, group.weight)
-        if enc is None or enc.high is not None:
-            # Q4_K q / k beside a Q6_K v: one MatMulNBits each, their outputs concatenated; Q5_1 / Q5_K: two
-            # MatMulNBits whose outputs are added. After the writer's edits: its nodes stay as planned.
-            splits.append((group, parts if enc is None else [enc], weight.shape[1]))
-            stats["quantized"] += len(names)
-            stats["degenerate_blocks"] += sum(p.degenerate for p in parts)
-            if enc is None:
-                stats["split"] = stats.get("split", 0) + 1
-            terms = sum(p.high is not None for p in (parts if enc is None else [enc]))
-            if terms:
-                stats["two_terms"] = stats.get("two_terms", 0) + terms
-            used.update(names)
+        stats["quantized"] += len(names)
+        stats["degenerate_blocks"] += sum(p.degenerate for p in parts)
+        used.update(names)
+        if enc is None:
+            # Q4_K q / k beside a Q6_K v: one MatMulNBits each, their outputs concatenated. After the writer's
+            # edits: its nodes stay as planned.
+            splits.append((group, parts, weight.shape[1]))
+            stats["split"] = stats.get("split", 0) + 1
             continue
         g = replace(group, bits=enc.bits, block_size=enc.block, symmetric=False)
         blocks = QuantizedBlocks(np.empty((enc.scales.shape[0], enc.scales.shape[1], 0), np.uint8), enc.scales,
                                  enc.zeros)
         writer.write(Result(g, blocks, enc.packed, weight.shape[1], np.dtype(np.float32), 0.0))
-        stats["quantized"] += len(names)
-        stats["degenerate_blocks"] += enc.degenerate
-        used.update(names)
+        if enc.correction is not None:
+            if any(u.is_gather for u in group.uses):  # refused before: GatherBlockQuantized has no correction
+                raise ExportError(f"{group.weight}: a float-minimum table cannot be gathered")
+            fix = Fix(f"{group.weight}_zero_point_correction", enc.correction, enc.block, weight.shape[1])
+            fixes.update({u.node.output[0]: fix for u in group.uses})  # the writer's MatMulNBits writes it
         del weight, parts, enc
     writer.finish()
     for group, parts, k in splits:
-        split_fused(onnx_model, group, parts, k)
+        fixes.update(split_fused(onnx_model, group, parts, k, accuracy_level))
+    stats["corrected"] = add_corrections(onnx_model, fixes)
     if redo_weights:
         assert requantize is not None
-        onnx_model = run_requantize(onnx_model, redo_weights, requantize, workdir or dest.parent)
+        onnx_model = run_requantize(onnx_model, redo_weights, requantize, workdir or dest.parent, target,
+                                    accuracy_level)
         stats["requantized"] = len(redo_weights)
+    warn_slow(onnx_model.graph, target, model.source.name)
     missing = sorted(quantized_names - used)
     if missing:
         from bitpress.errors import summarize_names
@@ -323,9 +353,12 @@ def replace_weights(model: GgufModel, src: Path, dest: Path, *, redo: set[str] |
     return stats
 
 
-def run_requantize(model: Any, weights: list[str], spec: dict[str, Any], workdir: Path) -> Any:
+def run_requantize(model: Any, weights: list[str], spec: dict[str, Any], workdir: Path, target: str = "cpu",
+                   accuracy_level: int | None = None) -> Any:
     """The ONNX weight-only pass ``spec["pass"]`` on ``weights`` only (the exporter's float values, llama.cpp's
-    dequantization), with ``spec["options"]``."""
+    dequantization), with ``spec["options"]``; the package's target and accuracy_level unless they say others."""
+    import dataclasses
+
     from bitpress.errors import BitpressError
     from bitpress.passes import PassContext
     from bitpress.plugins import get_registry
@@ -334,6 +367,10 @@ def run_requantize(model: Any, weights: list[str], spec: dict[str, Any], workdir
     if "onnx" not in cls.model_kinds or getattr(cls, "needs_data", False):
         raise ExportError(f"requantize: pass {cls.name} is not a calibration-free ONNX weight-only pass")
     options = {**spec.get("options", {}), "nodes_to_include": list(weights)}
+    fields = {f.name for f in dataclasses.fields(cls.Options)} if dataclasses.is_dataclass(cls.Options) else set()
+    for key, value in (("target", target), ("accuracy_level", accuracy_level)):
+        if key in fields:  # the requantized weights run on the same kernels as the GGUF's
+            options.setdefault(key, value)
     try:
         pass_ = cls.from_config(options, strict=True)
     except BitpressError as exc:
@@ -402,6 +439,7 @@ def encode_checked(f: Any, name: str, want: np.ndarray, heads: int, kv_heads: in
     ints = np.empty((rows, k), np.uint8)
     scales = np.empty((rows, nb), np.float32)
     zeros = np.empty((rows, nb), np.float32 if info.float_zero else np.uint8)
+    minimum = np.empty((rows, nb), np.float32) if info.float_zero else None
     degenerate = 0
     for start in range(0, rows, ROW_CHUNK):
         stop = min(rows, start + ROW_CHUNK)
@@ -409,6 +447,8 @@ def encode_checked(f: Any, name: str, want: np.ndarray, heads: int, kv_heads: in
         ints[start:stop] = b.ints.reshape(stop - start, k)
         scales[start:stop] = b.scale.reshape(stop - start, nb)
         zeros[start:stop] = b.zero.reshape(stop - start, nb)
+        if minimum is not None and b.minimum is not None:
+            minimum[start:stop] = np.broadcast_to(b.minimum, b.scale.shape).reshape(stop - start, nb)
         degenerate += b.degenerate
     order: Any = None
     orders = [slice(None)] + [o for o in (_unpermute(rows, heads), _unpermute(rows, kv_heads)) if o is not None]
@@ -420,19 +460,19 @@ def encode_checked(f: Any, name: str, want: np.ndarray, heads: int, kv_heads: in
         raise ExportError(f"{name} ({t.type_name}): the exporter's float weight is not the GGUF's dequantization "
                           "(in any row order tried): not converted")
     ints, scales, zeros = ints[order], scales[order], zeros[order]
+    minimum = None if minimum is None else minimum[order]
     for start in range(0, rows, ROW_CHUNK):
         sl = slice(start, min(rows, start + ROW_CHUNK))
         if not _matches(info, ints[sl], scales[sl], zeros[sl], want[sl], per_row):
             raise ExportError(f"{name} ({t.type_name}): rows {sl.start}-{sl.stop} differ from the exporter's float "
                               "weight: not converted")
-    if info.two_terms:  # Q5_1 / Q5_K: the low four bits (float zero points) plus the fifth bit's term
-        low, high, high_scales, high_zeros = two_terms(ints, scales, zeros)
-        del ints
-        hi = Encoded(4, info.block, pack(high, 4).reshape(rows, nb, -1), high_scales, high_zeros)
-        return Encoded(4, info.block, pack(low, 4).reshape(rows, nb, -1), scales, zeros, degenerate, hi)
     bits = info.bits if info.bits in WRITABLE_BITS else 4  # Q2_K's 2-bit integers, held exactly in 4 bits
     packed = pack(ints, bits).reshape(rows, nb, -1)
-    return Encoded(bits, info.block, packed, scales, zeros, degenerate)
+    if minimum is None:
+        return Encoded(bits, info.block, packed, scales, zeros, None, degenerate)
+    # a float minimum: uint8 zero points + C (Q5_1 / Q5_K: 5-bit integers in one 8-bit MatMulNBits)
+    zi, c = integer_form(scales, zeros, minimum, bits)
+    return Encoded(bits, info.block, packed, scales, zi, c, degenerate)
 
 
 def _matches(info: Any, ints: np.ndarray, scales: np.ndarray, zeros: np.ndarray, want: np.ndarray,
@@ -452,22 +492,17 @@ def _matches(info: Any, ints: np.ndarray, scales: np.ndarray, zeros: np.ndarray,
 
 def concat(parts: list[Encoded], weight: str) -> Encoded | None:
     """Blocks of fused weights (q / k / v) stacked by rows: the same bits and block, or promoted where exact
-    (4-bit integers stored in 8 bits; larger blocks split into smaller ones with the same scale)."""
+    (4-bit integers stored in 8 bits; larger blocks split into smaller ones with the same scale, zero point and
+    correction; an integer part's correction 0). None (the caller splits) where a 4-bit float-minimum part
+    would be promoted beside 8-bit integers (Q4_K q / k, Q6_K v): split, it keeps its 4 bits."""
     if len(parts) == 1:
         return parts[0]
-    highs = [p.high for p in parts if p.high is not None]
-    if highs:  # two-term parts stack with two-term parts only (both terms by rows), else the caller splits
-        if len(highs) != len(parts):
-            return None
-        low = concat([replace(p, high=None) for p in parts], weight)
-        high = concat(highs, weight)
-        return None if low is None or high is None else replace(low, high=high)
     bits = max(p.bits for p in parts)
     block = min(p.block for p in parts)
-    floating = any(p.zeros.dtype == np.float32 for p in parts)
-    if floating and bits == 8:
-        return None  # 8-bit integers with float zero points: no MatMulNBits holds them; the caller splits
-    out_p, out_s, out_z = [], [], []
+    if any(p.correction is not None and p.bits < bits for p in parts):
+        return None
+    corrected = any(p.correction is not None for p in parts)
+    out_p, out_s, out_z, out_c = [], [], [], []
     for p in parts:
         rows, nb, _ = p.packed.shape
         factor = p.block // block
@@ -477,16 +512,17 @@ def concat(parts: list[Encoded], weight: str) -> Encoded | None:
             packed = pack(ints, bits).reshape(rows, nb * factor, -1)
         out_p.append(packed)
         out_s.append(np.repeat(p.scales, factor, axis=1))
-        z = np.repeat(p.zeros, factor, axis=1)
-        out_z.append(z.astype(np.float32) if floating else z)
+        out_z.append(np.repeat(p.zeros, factor, axis=1))
+        if corrected:
+            c = p.correction if p.correction is not None else np.zeros((rows, nb), np.float32)
+            out_c.append(np.repeat(c, factor, axis=1))
     return Encoded(bits, block, np.concatenate(out_p), np.concatenate(out_s), np.concatenate(out_z),
-                   sum(p.degenerate for p in parts))
+                   np.concatenate(out_c) if corrected else None, sum(p.degenerate for p in parts))
 
 
-def split_fused(model: Any, group: Any, parts: list[Encoded], k: int) -> None:
-    """A weight written as several ``MatMulNBits`` on its reader's input: a fused weight whose parts have no
-    common exact form gets one per part, concatenated along the last axis into the fused output; a two-term
-    part (Q5_1 / Q5_K) gets one per term, added."""
+def split_fused(model: Any, group: Any, parts: list[Encoded], k: int, accuracy_level: int) -> dict[str, Fix]:
+    """A fused weight whose parts have no common exact form: one ``MatMulNBits`` per part on its reader's input,
+    concatenated along the last axis into the fused output. Returns the parts' corrections (by output)."""
     from onnx import helper
 
     from bitpress.onnx import layout
@@ -495,46 +531,71 @@ def split_fused(model: Any, group: Any, parts: list[Encoded], k: int) -> None:
 
     uses = [u for u in group.uses if not u.is_gather]
     if len(uses) != 1 or uses[0].node.op_type != "MatMul" or uses[0].transpose is not None:
-        raise ExportError(f"{group.weight}: its blocks need {sum(1 + (p.high is not None) for p in parts)} "
-                          "MatMulNBits on one input, and its reader is not one plain MatMul: not converted")
+        raise ExportError(f"{group.weight}: its blocks need {len(parts)} MatMulNBits on one input, and its reader "
+                          "is not one plain MatMul: not converted")
     g = model.graph
     out_name = uses[0].node.output[0]
     at = next(i for i, n in enumerate(g.node) if n.op_type == "MatMul" and list(n.output) == [out_name])
-    node = g.node[at]
-    outs: list[str] = []
+    x = g.node[at].input[0]
     new: list[Any] = []
-
-    def matmul(p: Encoded, base: str, out: str) -> None:
+    fixes: dict[str, Fix] = {}
+    for i, p in enumerate(parts):
+        base, out = f"{group.weight}/part{i}", f"{out_name}/part{i}"
         blocks = QuantizedBlocks(np.empty((p.scales.shape[0], p.scales.shape[1], 0), np.uint8), p.scales, p.zeros)
         mt = layout.to_matmul_nbits(blocks, p.bits, k, np.float32, flat=True, packed_q=p.packed)
-        names = [f"{base}_Q{p.bits}", f"{base}_scales"]
-        g.initializer.append(model.make_tensor(names[0], mt.b))
-        g.initializer.append(model.make_tensor(names[1], mt.scales))
-        if mt.zero_points is not None:
-            names.append(f"{base}_zero_points")
-            g.initializer.append(model.make_tensor(names[2], mt.zero_points))
-        new.append(helper.make_node("MatMulNBits", [node.input[0], *names], [out], name=f"{base}_MatMulNBits",
-                                    domain=MS_DOMAIN, **mt.attributes(0)))
-
-    single = len(parts) == 1
-    for i, p in enumerate(parts):
-        base = group.weight if single else f"{group.weight}/part{i}"
-        out = node.output[0] if single else f"{node.output[0]}/part{i}"
-        if p.high is None:
-            matmul(p, base, out)
-        else:
-            matmul(p, f"{base}/low", f"{out}/low")
-            matmul(p.high, f"{base}/high", f"{out}/high")
-            new.append(helper.make_node("Add", [f"{out}/low", f"{out}/high"], [out], name=f"{base}/add"))
-        outs.append(out)
-    if not single:
-        new.append(helper.make_node("Concat", outs, [node.output[0]], axis=-1, name=f"{group.weight}/concat"))
+        names = [f"{base}_Q{p.bits}", f"{base}_scales", f"{base}_zero_points"]
+        for name, array in zip(names, (mt.b, mt.scales, mt.zero_points), strict=True):
+            g.initializer.append(model.make_tensor(name, array))
+        new.append(helper.make_node("MatMulNBits", [x, *names], [out], name=f"{base}_MatMulNBits", domain=MS_DOMAIN,
+                                    **mt.attributes(accuracy_level)))
+        if p.correction is not None:
+            fixes[out] = Fix(f"{base}_zero_point_correction", p.correction, p.block, k)
+    new.append(helper.make_node("Concat", [n.output[0] for n in new], [out_name], axis=-1,
+                                name=f"{group.weight}/concat"))
     del g.node[at]
     for j, n in enumerate(new):
         g.node.insert(at + j, n)
     model.remove_unused_initializers()
-    log.info("%s: %d part(s), %d MatMulNBits", group.weight, len(parts),
-             sum(1 + (p.high is not None) for p in parts))
+    log.info("%s: %d parts, one MatMulNBits each", group.weight, len(parts))
+    return fixes
+
+
+def add_corrections(model: Any, fixes: dict[str, Fix]) -> int:
+    """After each ``MatMulNBits`` writing an output ``fixes`` names, its block-sum correction (the host's
+    :func:`bitpress.onnx.correction.insert_corrections`: ``+ MatMul(MatMul(x, E), C)``, the block sums of an input
+    computed once). Returns how many were added."""
+    import onnx
+
+    from bitpress.onnx import correction
+
+    g = model.graph
+    have = {t.name for t in g.initializer}
+    for fix in fixes.values():
+        if fix.c_name not in have:  # one weight read by two MatMuls: one C
+            have.add(fix.c_name)
+            g.initializer.append(model.make_tensor(fix.c_name, np.ascontiguousarray(fix.c.T)))  # [n_blocks, N]
+    host = {out: correction.Fix(f.c_name, f.k, f.block, np.dtype(np.float32)) for out, f in fixes.items()}
+    try:
+        nodes = correction.insert_corrections(list(g.node), host,
+                                              lambda name, array: g.initializer.append(model.make_tensor(name, array)))
+    except ValueError as exc:  # the writer wrote something else there (a Gemm's bias)
+        raise ExportError(f"{exc}: its float minimums cannot be corrected") from None
+    copies = [onnx.NodeProto() for _ in nodes]
+    for dst, src in zip(copies, nodes, strict=True):
+        dst.CopyFrom(src)
+    del g.node[:]
+    g.node.extend(copies)
+    return len(fixes)
+
+
+def warn_slow(graph: Any, target: str, where: str) -> None:
+    """One warning naming the nodes that run on ONNX Runtime's slow path (an explicit accuracy_level below 4 with
+    8-bit weights on cpu), :mod:`bitpress.onnx.kernels`."""
+    from bitpress.onnx.kernels import graph_paths
+
+    warning = graph_paths(graph, target).warning(where)
+    if warning:
+        log.warning(warning)
 
 
 def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:

@@ -30,11 +30,10 @@ class TypeSummary:
     def onnx_form(self) -> str:
         if self.type_name in TYPES:
             t = TYPES[self.type_name]
-            zp = "float zero points" if t.float_zero else "integer zero points"
-            if t.two_terms:
-                return (f"two MatMulNBits added, block {t.block}: the low 4 bits with float zero points, the 5th "
-                        "bit 4-bit with integer zero points")
-            return f"MatMulNBits {t.bits}-bit block {t.block}, {zp}"
+            zp = ("float minimum: uint8 zero points + block-sum correction" if t.float_zero
+                  else "integer zero points")
+            bits = t.bits if t.bits in (4, 8) else 4  # Q2_K's 2-bit integers are held in 4 bits
+            return f"MatMulNBits {bits}-bit block {t.block}, {zp}"
         if self.type_name in FLOAT_TYPES:
             return "float (kept as is)"
         return "no exact ONNX form (not converted)"

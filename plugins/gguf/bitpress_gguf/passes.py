@@ -21,10 +21,18 @@ class GgufToGenaiOptions:
     requantize: dict = option({}, 'GGUF tensors quantized again from their dequantized values instead of kept: '
                               '{"tensors": ["token_embd.weight"], "pass": "kquant", "options": {"bits": 4}} '
                               "(names or globs; any ONNX weight-only pass)")
+    # ep already names the target (default = cpu): a separate ``target`` option (kernels.TargetOptions) could
+    # disagree with the graph mobius builds for ep, so only the accuracy_level half is taken
+    accuracy_level: int | None = option(
+        None, "MatMulNBits accuracy_level: 0 unset (float32 compute: the float graph's logits), 4 int8 compute; "
+        "null: what runs fastest on the ep's target (4 on cpu, default and webgpu, 0 on cuda and dml)"
+    )
 
     def validate(self) -> None:
         if self.ep not in EPS:
             raise ValueError(f"ep must be one of {', '.join(EPS)}, got {self.ep!r}")
+        if self.accuracy_level is not None and self.accuracy_level not in range(5):
+            raise ValueError("accuracy_level must be 0..4, or null for the target's default")
         r = self.requantize
         if r:
             if not isinstance(r, dict) or set(r) - {"tensors", "pass", "options"}:
@@ -60,4 +68,4 @@ class GgufToGenaiPass(Pass):
         folder = Path(workdir) / "gguf"
         folder.mkdir(parents=True, exist_ok=True)
         return convert(model, folder, ep=self.options.ep, check=self.options.check,
-                       requantize=self.options.requantize or None)
+                       requantize=self.options.requantize or None, accuracy_level=self.options.accuracy_level)

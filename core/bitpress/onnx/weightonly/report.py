@@ -192,7 +192,7 @@ def nbits_kernel(opts: WeightOnlyOptions, float_zero_points: bool) -> KernelOf:
             return kernels.KernelPath("gather")
         zp = zero_point_kind(group, float_zero_points)
         corrected = zp == "float" and opts.float_zero_point_form == "correction"
-        return kernels.matmul_nbits_path(group.bits, level, "none" if corrected else zp, target=opts.target,
+        return kernels.matmul_nbits_path(group.bits, level, "uint8" if corrected else zp, target=opts.target,
                                          corrected=corrected)
 
     return kernel

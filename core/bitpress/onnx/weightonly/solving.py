@@ -31,6 +31,9 @@ class Result:
     k: int  # true reduction length (before padding)
     dtype: np.dtype  # the weight's float type (scales use it)
     error: float  # relative Frobenius error of the dequantized weight
+    #: float zero points only: ``scales * zero_points`` exactly, when the writer of the blocks knows it better than
+    #: that product in float32 (a GGUF's minimum): the block-sum correction is rounded once from it
+    offsets: np.ndarray | None = None
 
 
 #: When a packing kernel solved a weight of many rows, its error is measured on every

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import onnx
 from onnx import helper
@@ -23,18 +21,6 @@ from bitpress.quant.solver import QuantizedBlocks
 FLOAT_ZERO_POINT_FORMS = ("correction", "native")
 
 
-@dataclass
-class _Corrected:
-    """A MatMulNBits whose float zero points became a block-sum correction (emitted by :meth:`Writer.finish`)."""
-
-    x: str  # the MatMulNBits' input
-    main: str  # its output
-    out: str  # what the correction's Add writes (the original node's output, or the Gemm's pre-bias value)
-    e: str
-    c: str
-    prefix: str
-
-
 class Writer:
     """Applies solved groups to the graph (single-threaded: protobuf edits are not thread-safe).
 
@@ -50,10 +36,10 @@ class Writer:
         self.float_zero_point_form = float_zero_point_form
         self.graph = model.graph
         self.replace: dict[int, list[onnx.NodeProto]] = {}  # id(old node) -> new nodes
-        self.corrected: dict[int, _Corrected] = {}  # id(old node) -> its correction
+        #: MatMulNBits output -> its block-sum correction (bitpress.onnx.correction), added by finish()
+        self.fixes: dict[str, correction.Fix] = {}
         self.drop: set[int] = set()
         self.new_inits: list[onnx.TensorProto] = []
-        self.shared: set[str] = set()  # block-sum matrices added (one per K, block size and dtype)
         self.stored_bytes = 0  # integers, scales and zero points written (a correction counts as zero points)
 
     def write(self, res: Result) -> None:
@@ -64,13 +50,15 @@ class Writer:
         matmul_uses = [u for u in g.uses if not u.is_gather]
         tag = f"Q{g.bits}"
         if matmul_uses:
-            blocks, c_name = res.blocks, None
+            blocks, fix = res.blocks, None
             if self._corrects(res) and not has_gather:
-                # float zero points -> integer ones + C = s * (zi - z) (bitpress.onnx.correction)
+                # float zero points -> uint8 round(z) + C = s * zi - s * z (bitpress.onnx.correction)
                 c_name = f"{weight}_zero_point_correction"
-                zi, c = correction.split_zero_points(blocks.scales, blocks.zero_points, g.bits, scale_dtype)
+                zi, c = correction.split_zero_points(blocks.scales, blocks.zero_points, g.bits, scale_dtype,
+                                                     res.offsets)
                 self._add(c_name, c)
                 blocks = QuantizedBlocks(blocks.q, blocks.scales, zi)
+                fix = correction.Fix(c_name, res.k, g.block_size, scale_dtype)
             mt = layout.to_matmul_nbits(blocks, g.bits, res.k, scale_dtype, flat=not has_gather,
                                         packed_q=res.packed)
             b_name = f"{weight}_{tag}"
@@ -80,9 +68,8 @@ class Writer:
             self._add(s_name, mt.scales)
             if z_name:
                 self._add(z_name, mt.zero_points)
-            e_name = self._block_sums(res.k, g.block_size, scale_dtype) if c_name else None
             for u in matmul_uses:
-                self._matmul(u, mt, b_name, s_name, z_name, None if c_name is None else (e_name, c_name))
+                self._matmul(u, mt, b_name, s_name, z_name, fix)
         if has_gather:
             hidden = res.k
             gt_attrs = {"bits": g.bits, "block_size": g.block_size, "gather_axis": 0, "quantize_axis": 1}
@@ -126,28 +113,18 @@ class Writer:
             self.stored_bytes += array.nbytes
         self.new_inits.append(self.model.make_tensor(name, array))
 
-    def _block_sums(self, k: int, block_size: int, dtype: np.dtype) -> str:
-        """The shared ``E [K, n_blocks]`` of :mod:`bitpress.onnx.correction` (graph plumbing, not counted as
-        stored weight bytes, like the tied table's Reshape shape)."""
-        name = correction.block_sum_name(k, block_size, dtype)
-        if name not in self.shared:
-            self.shared.add(name)
-            self.new_inits.append(self.model.make_tensor(name, correction.block_sum_matrix(k, block_size, dtype)))
-        return name
-
     def _matmul(self, u: Use, mt: layout.MatMulNBitsTensors, b: str, s: str, z: str,
-                corr: tuple[str, str] | None = None) -> None:
+                fix: correction.Fix | None = None) -> None:
         node = u.node
         out = node.output[0]
         inputs = [node.input[0], b, s] + ([z] if z else [])
         new_nodes = []
         gemm_bias = node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]
         mm_out = f"{out}_MatMulNBits" if gemm_bias else out
-        name = f"{node.name or out}_Q{mt.bits}"
-        if corr is not None:
-            self.corrected[id(node)] = _Corrected(node.input[0], f"{out}_nbits", mm_out, *corr, prefix=name)
+        if fix is not None:
+            self.fixes[mm_out] = fix
         new_nodes.append(helper.make_node(
-            "MatMulNBits", inputs, [mm_out if corr is None else f"{out}_nbits"], name=name, domain=MS_DOMAIN,
+            "MatMulNBits", inputs, [mm_out], name=f"{node.name or out}_Q{mt.bits}", domain=MS_DOMAIN,
             **mt.attributes(self.accuracy_level),
         ))
         if gemm_bias:
@@ -159,18 +136,13 @@ class Writer:
     def finish(self) -> None:
         """Swap nodes in place (keeping topological order) and drop orphaned initializers."""
         nodes = []
-        sums: dict[tuple[str, str], str] = {}  # (input, E) -> its block sums, computed by the first reader
         for node in self.graph.node:
             if id(node) in self.drop:
                 continue
-            new = self.replace.get(id(node), [node])
-            fix = self.corrected.get(id(node))
-            if fix is not None:  # MatMulNBits, its correction, then the rest (a Gemm's bias)
-                key = (fix.x, fix.e)
-                extra = correction.correction_nodes(fix.x, fix.main, fix.out, fix.e, fix.c, sums.get(key), fix.prefix)
-                sums.setdefault(key, f"{fix.prefix}_block_sums")
-                new = [new[0], *extra, *new[1:]]
-            nodes.extend(new)
+            nodes.extend(self.replace.get(id(node), [node]))
+        if self.fixes:  # E is graph plumbing: not counted in stored_bytes (as the tied table's Reshape shape)
+            nodes = correction.insert_corrections(
+                nodes, self.fixes, lambda name, array: self.new_inits.append(self.model.make_tensor(name, array)))
         new = [onnx.NodeProto() for _ in nodes]
         for dst, src in zip(new, nodes, strict=True):
             dst.CopyFrom(src)
@@ -203,6 +175,6 @@ def planned_bytes(group: Group, tensor: onnx.TensorProto, zero_points: str, corr
     # a MatMul reader stores B with K padded to whole blocks; a Gather-only table drops the padding
     data = rows * n_blocks * (bs * bits // 8) if any(not u.is_gather for u in group.uses) else rows * (k * bits // 8)
     zps = {"none": 0, "uint8": rows * -(-n_blocks * bits // 8), "float": rows * n_blocks * scale_bytes}[zero_points]
-    if corrected and zero_points == "float" and bits == 8:  # uint8 round(z) besides the correction
-        zps += rows * n_blocks
+    if corrected and zero_points == "float":  # uint8 round(z) besides the correction
+        zps += rows * -(-n_blocks * bits // 8)
     return data + rows * n_blocks * scale_bytes + zps
