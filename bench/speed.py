@@ -105,8 +105,12 @@ GGUF_BLOCK = {"smollm2": 32, "gemma3": 32}  # Q4_1 blocks of 32; Q4_K_M's Q4_K s
 
 def variants(family: str) -> list[Variant]:
     out = [Variant("float", "float32 package", "float")]
-    out += [Variant(f"builder-int4-b{b}", f"GenAI builder int4 b{b} (sym, level 4)", "builder", block=b, bits=4)
-            for b in BUILDER_BLOCKS]
+    if family == "gemma3":  # the builder 0.18 fails on gemma-3 (KeyError 'rope_type'): its recipe, by ONNX Runtime
+        out += [Variant(f"ort-int4-b{b}", f"ONNX Runtime quantizer int4 b{b} (the builder's recipe)", "builder",
+                        algorithm="ort", block=b, bits=4) for b in BUILDER_BLOCKS]
+    else:
+        out += [Variant(f"builder-int4-b{b}", f"GenAI builder int4 b{b} (sym, level 4)", "builder", block=b, bits=4)
+                for b in BUILDER_BLOCKS]
     out += [v for v in BITPRESS if family != "gemma3" or v.key not in GEMMA_SKIP]
     gguf = "Q4_1" if family == "smollm2" else "Q4_K_M"
     out.append(Variant("gguf", f"bitpress GGUF import ({gguf}, exact)", "gguf", block=GGUF_BLOCK[family], bits=4))
@@ -244,6 +248,9 @@ def package_in(out: Path) -> Path:
 
 
 def _command(v: Variant, inputs: Inputs, out: Path) -> list[str]:
+    if v.kind == "builder" and v.algorithm == "ort":
+        return [str(VENV_BIN / "python"), str(Path(__file__).resolve()), "ort-int4", str(inputs.float_pkg), str(out),
+                str(v.block)]
     if v.kind == "builder":
         return [str(VENV_BIN / "python"), "-m", "onnxruntime_genai.models.builder", "-i", str(inputs.hf), "-o",
                 str(out), "-p", "int4", "-e", "cpu", "-c", str(out.parent / f".cache-{v.key}"), "--extra_options",
@@ -261,6 +268,23 @@ def _command(v: Variant, inputs: Inputs, out: Path) -> list[str]:
         argv += ["--data", c.source, "--tokenizer", c.tokenizer, "--samples", str(c.samples), "--seq-len",
                  str(c.seq_len)]
     return argv
+
+
+def ort_int4(src: Path, out: Path, block: int) -> None:
+    """The GenAI builder's int4 recipe by ONNX Runtime's own ``MatMulNBitsQuantizer`` (RTN, symmetric, block
+    ``block``, accuracy_level 4, MatMul weights) on the package ``src``, its other files copied: the peer where
+    the builder itself cannot build the model."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    out.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith("model.onnx"):
+            shutil.copyfile(f, out / f.name)
+    cfg = DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=True, accuracy_level=4)
+    q = MatMulNBitsQuantizer(onnx.load(str(src / "model.onnx")), algo_config=cfg)
+    q.process()
+    onnx.save(q.model.model, str(out / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
 
 
 def kernels_of(package: Path) -> tuple[dict[str, int], int]:
@@ -581,7 +605,8 @@ def render(meta: dict[str, Any], results: dict[str, list[Row]], kernel_rows: lis
         "(`bitpress.onnx.kernels`: *int8* packed weights with int8 activations, *+corr* float zero points as integer "
         "ones plus the block-sum correction, *gather* `GatherBlockQuantized`, **dequantize** the slow path); "
         "*x fp32* the ratio to the float32 package; *x builder* decode speed over the GenAI builder's own int4 of "
-        "the same block size (symmetric, accuracy_level 4).", "",
+        "the same block size (symmetric, accuracy_level 4; for gemma-3, which the builder 0.18 cannot build, "
+        "ONNX Runtime's `MatMulNBitsQuantizer` with the same recipe on the float package).", "",
     ]
     lines += [
         "## `bitpress bench`", "",
@@ -613,7 +638,10 @@ def render(meta: dict[str, Any], results: dict[str, list[Row]], kernel_rows: lis
         src = {"smollm2": "the GenAI builder's fp32 CPU export of the model (transformers' dequantization of the "
                           "Q4_1 GGUF on PyPI, docs/real-models.md)",
                "gemma3": "mobius's f32 build of the Q4_K_M GGUF dequantized by transformers (the only copy on "
-                         "PyPI); the GenAI builder's int4 rows quantize that same float folder"}
+                         "PyPI). The GenAI builder 0.18 fails on this model (`KeyError: 'rope_type'` in its "
+                         "Gemma-3 path, with transformers 5.17's config), so the peer rows are its recipe (RTN, "
+                         "symmetric, accuracy_level 4) by ONNX Runtime's own `MatMulNBitsQuantizer` on the float "
+                         "package"}
         lines += [f"float32 package: {src.get(family, '')}. Every bitpress row is `bitpress quantize` of that package "
                   "with the pass's defaults (target cpu: accuracy_level 4) unless the label says otherwise; the GGUF "
                   "import is `bitpress export` of the GGUF file itself.", ""]
@@ -647,6 +675,10 @@ def render(meta: dict[str, Any], results: dict[str, list[Row]], kernel_rows: lis
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ort-int4"]:  # a subprocess of build()
+        ort_int4(Path(argv[1]), Path(argv[2]), int(argv[3]))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=",".join(FAMILIES), help=f"comma-separated subset of {', '.join(FAMILIES)}")
     parser.add_argument("--threads", default="1,2", help="thread counts to time (default 1,2)")
@@ -686,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     log("one weight in each form")
     kernel_rows = kernel_table(1, args.runs)
     meta.update({
-        "command": args.command or "python bench/speed.py " + shlex.join(argv or sys.argv[1:]),
+        "command": args.command or "python bench/speed.py " + shlex.join(argv),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "wall_min": (time.perf_counter() - t_start) / 60, "source": quality.git_state(),
     })
