@@ -168,7 +168,10 @@ def test_bad_input_fails_cleanly(
     code, out, err = cli("quantize", "-m", model, "-o", tmp_path / output, "--algorithm", "rtn",
                          "--precision", "int4")
     assert code == 1, err
-    _assert_one_error_line(err, BAD_INPUTS[kind])
+    expected = BAD_INPUTS[kind]
+    if model.is_dir() and output.endswith(".onnx"):  # the output rule is checked before the input is read
+        expected = "which names one model file, but the input is a folder"
+    _assert_one_error_line(err, expected)
     assert out == ""
     # nothing written anywhere (not even the output's parent folder), the input unchanged
     assert sha256_tree(tmp_path) == before

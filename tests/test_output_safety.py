@@ -611,3 +611,104 @@ def test_moves_never_replace(how: str, tmp_path: Path, monkeypatch: pytest.Monke
     bitpress.output.rename_noreplace(src_dir, tmp_path / "placed-dir")
     assert (tmp_path / "placed.bin").read_bytes() == b"new" and not src_file.exists()
     assert (tmp_path / "placed-dir" / "f").read_bytes() == b"new" and not src_dir.exists()
+
+
+# -- which kind of output: one rule for quantize, run, export and publish (issue #27) ---------------------------------
+def _hf_folder(root: Path) -> Path:
+    """A Hugging Face folder the loader accepts (config and a small safetensors file): `export`'s input."""
+    import json
+    import struct
+
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 16,
+        "max_position_embeddings": 32}))
+    header = json.dumps({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}).encode()
+    (root / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
+    return root
+
+
+def _commands(tmp_path: Path, tiny_decoder: Path, genai_folder: Path, out: Path) -> dict[str, list[Any]]:
+    """The same output given to every command that writes one (a config for run and publish)."""
+    import yaml
+
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"input": str(tiny_decoder), "output": str(out),
+                                   "passes": [{"type": "rtn", "precision": "int4"}]}))
+    pub = tmp_path / "publish.yaml"
+    pub.write_text(yaml.safe_dump({"input": str(_hf_folder(tmp_path / "hf")), "output": str(out),
+                                   "matrix": {"dtypes": ["f32"]}}))
+    return {
+        "quantize": ["quantize", "-m", tiny_decoder, "-o", out, "--algorithm", "rtn"],
+        "quantize-folder": ["quantize", "-m", genai_folder, "-o", out, "--algorithm", "rtn"],
+        "run": ["run", run],
+        "export": ["export", tmp_path / "hf", "-o", out, "--runtime", "onnx"],
+        "publish": ["publish", pub],
+    }
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("existing", ["none", "empty-folder", "folder"])
+@pytest.mark.parametrize("command", ["quantize", "quantize-folder", "run", "export", "publish"])
+def test_output_named_like_a_file_is_a_file(command: str, existing: str, overwrite: bool, tmp_path: Path, cli,
+                                           tiny_decoder: Path, genai_folder: Path, sha256_tree) -> None:
+    """`-o out.onnx` is one model file for every command: where it is an existing folder (empty or not) the run
+    is refused, --overwrite or not, and nothing is written into or over the folder; a command whose output is
+    a folder (a folder input, export, publish) refuses the name itself."""
+    out = tmp_path / "out.onnx"
+    if existing != "none":
+        out.mkdir()
+        if existing == "folder":
+            (out / "theirs.txt").write_bytes(b"precious")
+    argv = _commands(tmp_path, tiny_decoder, genai_folder, out)[command]
+    before = sha256_tree(tmp_path)
+    code, stdout, err = cli(*argv, *(["--overwrite"] if overwrite else []))
+    if command in ("quantize", "run") and existing == "none":
+        assert code == 0, err  # a file output, written as one
+        assert out.is_file()
+        return
+    assert code == 1, err
+    if command in ("quantize", "run"):
+        one_error_line(err, f"the output {out} is an existing folder", "never replaced by a file")
+    else:
+        one_error_line(err, f"the output {out} ends in .onnx, which names one model file", "give a folder name")
+    assert stdout == ""
+    assert sha256_tree(tmp_path) == before
+    assert not leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("command", ["quantize", "run", "quantize-folder", "export", "publish"])
+def test_folder_output_where_a_file_is_is_refused(command: str, tmp_path: Path, cli, tiny_decoder: Path,
+                                                 genai_folder: Path, sha256_tree) -> None:
+    """The other half of the rule: a folder output never replaces a file, --overwrite or not."""
+    out = tmp_path / "result"
+    out.write_bytes(b"precious")
+    argv = _commands(tmp_path, tiny_decoder, genai_folder, out)[command]
+    before = sha256_tree(tmp_path)
+    code, _, err = cli(*argv, "--overwrite")
+    assert code == 1, err
+    one_error_line(err, f"the output {out} is an existing file", "never replaced by a folder")
+    assert sha256_tree(tmp_path) == before
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("output", ["/proc/q.onnx", "/proc/sub/q.onnx", "/proc/bitpress-out"])
+@pytest.mark.parametrize("command", ["quantize", "run", "export", "publish"])
+def test_output_in_a_folder_that_takes_no_files(command: str, output: str, tmp_path: Path, cli, tiny_decoder: Path,
+                                                genai_folder: Path) -> None:
+    """/proc exists and looks writable (to root), but creating a file there fails with ENOENT: one clean line
+    naming the folder, never an internal error; --plan writes nothing, so it still plans."""
+    if command in ("export", "publish") and output.endswith(".onnx"):
+        output = output.removesuffix(".onnx")  # their outputs are folders (the name rule is tested above)
+    argv = _commands(tmp_path, tiny_decoder, genai_folder, Path(output))[command]
+    code, stdout, err = cli(*argv)
+    assert code == 1, err
+    one_error_line(err, f"cannot write the output {output}", "files cannot be created in the folder /proc",
+                   "(ENOENT)", "nothing was written")
+    assert stdout == ""
+    assert not leftovers(tmp_path)
+    if command == "quantize":
+        code, stdout, err = cli(*argv, "--plan")
+        assert code == 0, err
+        assert "nothing was written (--plan)" in stdout

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -27,6 +29,7 @@ import pytest
 import yaml
 
 import bitpress.plugins
+from bitpress import plugin_probe
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.passes import Pass
 
@@ -60,6 +63,10 @@ PLUGIN_MODULE = textwrap.dedent('''
             raise GeneratorExit("closed from the inside")
         if FAULT == "interrupt":
             raise KeyboardInterrupt
+        if FAULT == "abort":  # native crashes: no exception, the process is gone
+            os.abort()
+        if FAULT == "segv":
+            ctypes.string_at(0)
         raise RuntimeError("kaboom")
 
 
@@ -557,3 +564,132 @@ def test_faulty_availability_check_does_not_stop_passes_list(fault: str, make_re
     assert rows["rtn"]["available"] is True
     code, _, err = run_cli("quantize", "-m", "x.onnx", "-o", "y.onnx", "--algorithm", "flaky", registry=reg)
     assert code != 0 and "internal error" not in err and "availability check failed" in err
+
+
+# -- native crashes without --isolate (issue #27) ---------------------------------------------------------------------
+SIGNALS = {"abort": "SIGABRT", "segv": "SIGSEGV"}
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache folder of this test's own for the verdicts of plugin import checks."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(plugin_probe.CACHE_VAR, str(cache))
+    return cache
+
+
+def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next CLI command discovers the plugins again, as a new `bitpress` process would."""
+    monkeypatch.setattr(bitpress.plugins, "_default", None)
+
+
+@pytest.mark.parametrize("fault", list(SIGNALS))
+@pytest.mark.parametrize("stage", ["import", "register"])
+def test_plugin_whose_import_crashes_is_found_in_a_child(stage: str, fault: str, site: Path, cache: Path, run_cli,
+                                                        tiny_decoder: Path, tmp_path: Path, no_core_dumps) -> None:
+    """The crash happens in a child process: this process (the CLI, in the test's own process) lists the plugin as
+    broken with the reason, the others work, asking for it is "unavailable"; the verdict is kept in the cache."""
+    install_plugin(site, stage, fault)
+    what = "import" if stage == "import" else "bitpress_register_passes"
+    reason = f"its {what} crashes the process ({SIGNALS[fault]})"
+    assert_listing_works(run_cli, broken=reason)
+    work = tmp_path / "work"
+    code, out, err = run_cli("quantize", "-m", tiny_decoder, "-o", work / "out.onnx", "--algorithm", "faulty")
+    assert_clean_failure(code, out, err, "algorithm 'faulty' is unavailable", "plugin faulty (bitpress-faulty 1.0)",
+                         reason)
+    assert_nothing_written(work)
+    entries = json.loads((cache / plugin_probe.CACHE_FILE).read_text())["entries"]
+    crashed = [e for e in entries.values() if e["crashed"]]
+    assert len(crashed) == 1 and reason in crashed[0]["reason"]
+    assert "Fatal Python error" in crashed[0]["detail"] and "faulty_plugin.py" in crashed[0]["detail"]
+    assert any(not e["crashed"] and "bitpress_rtn" in e["path"] for e in entries.values())
+
+
+def test_plugin_check_is_remembered_until_the_plugin_changes(site: Path, cache: Path, run_cli, no_core_dumps,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    install_plugin(site, "import", "abort")
+    assert_listing_works(run_cli, broken="its import crashes the process (SIGABRT)")
+    checked: list[list[str]] = []
+    real = plugin_probe._run_child
+    monkeypatch.setattr(plugin_probe, "_run_child",
+                        lambda eps: checked.append([ep.name for ep in eps]) or real(eps))
+    fresh_registry(monkeypatch)
+    assert_listing_works(run_cli, broken="its import crashes the process (SIGABRT)")
+    assert checked == []  # from the cache: no child at all
+    # fixed (its module changed): checked again, alone, and loaded
+    install_plugin(site)
+    module = site / "faulty_plugin.py"
+    os.utime(module, ns=(module.stat().st_atime_ns, module.stat().st_mtime_ns + 10**9))
+    fresh_registry(monkeypatch)
+    assert_listing_works(run_cli)
+    assert checked == [["faulty"]]
+
+
+def test_plugin_check_without_fork(site: Path, cache: Path, run_cli, no_core_dumps,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where forking is not safe (threads) the check runs in a new interpreter with this import path."""
+    monkeypatch.setattr(plugin_probe, "_can_fork", lambda: False)
+    install_plugin(site, "import", "segv")
+    assert_listing_works(run_cli, broken="its import crashes the process (SIGSEGV)")
+
+
+def test_plugin_check_ignores_a_broken_cache(site: Path, cache: Path, run_cli, no_core_dumps) -> None:
+    cache.mkdir()
+    (cache / plugin_probe.CACHE_FILE).write_text("{not json")
+    install_plugin(site, "import", "abort")
+    assert_listing_works(run_cli, broken="its import crashes the process (SIGABRT)")
+    assert json.loads((cache / plugin_probe.CACHE_FILE).read_text())["entries"]
+
+
+def bitpress_process(site: Path, cache: Path, *argv: object) -> subprocess.CompletedProcess:
+    """The real `bitpress` in a process of its own, finding the plugin of ``site``."""
+    env = {**os.environ, "PYTHONPATH": str(site), plugin_probe.CACHE_VAR: str(cache)}
+    env.pop("BITPRESS_NO_ENVS", None)
+    return subprocess.run([sys.executable, "-m", "bitpress", *map(str, argv)], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("fault", list(SIGNALS))
+@pytest.mark.parametrize("how", ["quantize", "config", "loader"])
+def test_native_crash_in_process_names_the_plugin(how: str, fault: str, site: Path, cache: Path, tiny_decoder: Path,
+                                                  tmp_path: Path, no_core_dumps) -> None:
+    """Without --isolate the process dies with the plugin (its signal is the exit status), but Python's stack
+    names the plugin's module and line (faulthandler), a last line names the plugin and suggests --isolate,
+    and the run's temporary folder, lock and parent folders are removed."""
+    install_plugin(site, "load" if how == "loader" else "none", fault)
+    work = tmp_path / "work"
+    out = work / "new" / "out.onnx"
+    if how == "config":
+        config = tmp_path / "recipe.yaml"
+        config.write_text(yaml.safe_dump({"input": str(tiny_decoder), "output": str(out),
+                                          "passes": [{"type": "faulty", "mode": fault}]}))
+        argv: tuple[object, ...] = ("run", config)
+    else:
+        argv = ("quantize", "-m", tiny_decoder, "-o", out, "--algorithm", "faulty", "--option", f"mode={fault}")
+    proc = bitpress_process(site, cache, *argv)
+    assert proc.returncode == -getattr(signal, SIGNALS[fault]), proc.stderr
+    assert "Fatal Python error" in proc.stderr and "faulty_plugin.py" in proc.stderr
+    assert len(error_lines(proc.stderr)) == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    if how == "loader":
+        doing = f"while plugin faulty was running (while loading {tiny_decoder}"
+        hint = "fix or uninstall it"
+    else:
+        doing, hint = "while plugin faulty was running (in pass faulty)", "rerun with --isolate"
+    assert last.startswith(f"bitpress: error: the process died of {SIGNALS[fault]} {doing}"), last
+    assert hint in last and "nothing was written" in last
+    assert proc.stdout == ""
+    assert not work.exists(), sorted(work.rglob("*"))  # the temporary folder, the lock, the folders it made
+
+
+def test_watcher_is_quiet_when_all_goes_well(site: Path, cache: Path, tiny_decoder: Path, tmp_path: Path) -> None:
+    """The watcher prints only when the process died: a run that ends (well or with an error) says nothing more."""
+    install_plugin(site)
+    ok = bitpress_process(site, cache, "quantize", "-m", tiny_decoder, "-o", tmp_path / "q.onnx", "--algorithm",
+                          "faulty")
+    assert ok.returncode == 0, ok.stderr
+    assert "bitpress: error" not in ok.stderr and "Fatal Python error" not in ok.stderr
+    failed = bitpress_process(site, cache, "quantize", "-m", tiny_decoder, "-o", tmp_path / "q.onnx", "--algorithm",
+                              "faulty")
+    assert failed.returncode == 1
+    assert len(failed.stderr.strip().splitlines()) == 1 and "already exists" in failed.stderr

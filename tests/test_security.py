@@ -856,7 +856,158 @@ def test_over_long_output_name_is_refused(tmp_path: Path, cli, sha256_tree, tiny
     assert sha256_tree(tmp_path) == before
 
 
-# -- 10. the helper itself --------------------------------------------------------------------------------------------
+# -- 10. weights of odd shapes and types (issue #27) -------------------------------------------------------------------
+def _odd_model(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto], outputs: list[onnx.ValueInfoProto],
+               inits: list[onnx.TensorProto], *, opset: int = 17, ir: int = 8) -> onnx.ModelProto:
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, inits),
+                              opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = ir
+    return model
+
+
+def _w(shape: list[int], name: str = "W", dtype: Any = np.float32) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.random.default_rng(0).standard_normal(shape).astype(dtype), name)
+
+
+def _vi(name: str, shape: list[Any] | None, elem: int = TensorProto.FLOAT) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def _mm(a: str = "x", b: str = "W", out: str = "y", name: str = "mm") -> onnx.NodeProto:
+    return helper.make_node("MatMul", [a, b], [out], name=name)
+
+
+K = 256
+#: valid models whose weights are not one 2-D matrix: the run keeps them in float, and the output loads
+ODD_VALID: dict[str, tuple[Callable[[], onnx.ModelProto], str]] = {
+    "1d": (lambda: _odd_model([_mm()], [_vi("x", [2, K])], [_vi("y", [2])], [_w([K])]), "1-D, a matrix-vector"),
+    "1d-symbolic": (lambda: _odd_model([_mm()], [_vi("x", ["n", K])], [_vi("y", ["n"])], [_w([K])]), "1-D"),
+    "1d-scalar-output": (lambda: _odd_model([_mm()], [_vi("x", [K])], [_vi("y", [])], [_w([K])]), "1-D"),
+    "1d-left-operand": (lambda: _odd_model([_mm("W", "x")], [_vi("x", [K, 8])], [_vi("y", [8])], [_w([K])]), ""),
+    "1d-after-a-2d": (lambda: _odd_model(
+        [_mm("x", "W2", "h", "mm0"), _mm("h", "W", "y", "mm1")], [_vi("x", ["b", "s", K])], [_vi("y", ["b", "s"])],
+        [_w([K, K], "W2"), _w([K])]), "1-D"),
+    "1d-also-an-input-ir3": (lambda: _odd_model([_mm()], [_vi("x", [2, K]), _vi("W", [K])], [_vi("y", [2])],
+                                                [_w([K])], opset=9, ir=3), "1-D"),
+    "1d-value-info": (lambda: _with_value_info(_odd_model([_mm("x", "W", "h"), helper.make_node("Relu", ["h"], ["y"])],
+                                                          [_vi("x", [2, K])], [_vi("y", [2])], [_w([K])])), "1-D"),
+    "1d-float16": (lambda: _odd_model([_mm()], [_vi("x", [2, K], TensorProto.FLOAT16)],
+                                      [_vi("y", [2], TensorProto.FLOAT16)], [_w([K], dtype=np.float16)]), "1-D"),
+    "3d-batched": (lambda: _odd_model([_mm()], [_vi("x", [2, 3, 64])], [_vi("y", [2, 3, 64])], [_w([2, 64, 64])]),
+                   "3-D, a batched MatMul"),
+    "3d-broadcast": (lambda: _odd_model([_mm()], [_vi("x", [3, 64])], [_vi("y", [2, 3, 64])], [_w([2, 64, 64])]),
+                     "3-D"),
+    "3d-symbolic": (lambda: _odd_model([_mm()], [_vi("x", ["a", "b", "c"])], [_vi("y", ["a", "b", 64])],
+                                       [_w([2, 64, 64])]), "3-D"),
+    "3d-gather-table": (lambda: _odd_model(
+        [helper.make_node("Gather", ["W", "i"], ["y"], name="gather")], [_vi("i", [5], TensorProto.INT64)],
+        [_vi("y", [5, 64, 64])], [_w([128, 64, 64])]), "Gather table is not a 2-D float initializer"),
+    "int32-weight": (lambda: _odd_model([_mm()], [_vi("x", [2, 64], TensorProto.INT32)],
+                                        [_vi("y", [2, 64], TensorProto.INT32)],
+                                        [numpy_helper.from_array(np.ones((64, 64), np.int32), "W")]),
+                     "INT32, not float"),
+}
+
+
+def _with_value_info(model: onnx.ModelProto) -> onnx.ModelProto:
+    model.graph.value_info.extend([_vi("W", [K]), _vi("h", [2])])
+    return model
+
+
+@pytest.mark.parametrize("storage", ["inline", "external"])
+@pytest.mark.parametrize("kind", list(ODD_VALID))
+def test_odd_weights_stay_float_and_the_output_loads(kind: str, storage: str, tmp_path: Path, cli) -> None:
+    """Valid ONNX whose weights are not one [K, N] matrix (a matrix-vector or batched MatMul, a 3-D table):
+    the plan says why each stays float, and the output passes the ONNX checker and loads in ONNX Runtime
+    whenever its input does (checked for file and external-data storage, and --external-data outputs)."""
+    import onnxruntime as ort
+
+    build, reason = ODD_VALID[kind]
+    model = tmp_path / "in" / "model.onnx"
+    model.parent.mkdir()
+    onnx.save(build(), model, save_as_external_data=storage == "external", size_threshold=0,
+              location="model.onnx.data")
+    onnx.checker.check_model(str(model))  # the input is valid: the output must be as well
+    code, out, err = cli("quantize", "-m", model, "-o", tmp_path / "o" / "q.onnx", "--algorithm", "rtn", "--plan")
+    assert code == 0, err
+    assert reason in out
+    for flags in ([], ["--external-data"]):
+        dest = tmp_path / f"out{len(flags)}" / "q.onnx"
+        code, out, err = cli("quantize", "-m", model, "-o", dest, "--algorithm", "rtn", *flags)
+        assert code == 0, err
+        assert "error" not in err
+        onnx.checker.check_model(str(dest))
+        onnx.checker.check_model(str(dest), full_check=True)
+        ort.InferenceSession(str(dest), providers=["CPUExecutionProvider"])
+
+
+#: models ONNX Runtime refuses because of a weight: refused when loaded, naming the node and the weight
+UNREADABLE: dict[str, tuple[Callable[[], onnx.ModelProto], tuple[str, ...]]] = {
+    "string": (lambda: _odd_model([_mm()], [_vi("x", [3, 64])], [_vi("y", [3, 64])],
+                                  [helper.make_tensor("W", TensorProto.STRING, [64, 64], [b"a"] * 4096)]),
+               ("MatMul node 'mm'", "'W' (STRING [64, 64])", "as input B")),
+    "bool": (lambda: _odd_model([_mm()], [_vi("x", [3, 64])], [_vi("y", [3, 64])],
+                                [numpy_helper.from_array(np.ones((64, 64), bool), "W")]), ("'W' (BOOL [64, 64])",)),
+    "int8": (lambda: _odd_model([_mm()], [_vi("x", [3, 64])], [_vi("y", [3, 64])],
+                                [numpy_helper.from_array(np.ones((64, 64), np.int8), "W")]), ("'W' (INT8",)),
+    "float16-under-float": (lambda: _odd_model([_mm()], [_vi("x", [3, 64])], [_vi("y", [3, 64])],
+                                               [_w([64, 64], dtype=np.float16)]), ("inconsistent type",)),
+    "3d-k-mismatch": (lambda: _odd_model([_mm()], [_vi("x", [2, 3, 32])], [_vi("y", [2, 3, 64])], [_w([2, 64, 64])]),
+                      ("'W' (FLOAT [2, 64, 64])", "'x' (FLOAT [2, 3, 32])", "Incompatible dimensions")),
+    "3d-batch-mismatch": (lambda: _odd_model([_mm()], [_vi("x", [3, 3, 64])], [_vi("y", [3, 3, 64])],
+                                             [_w([2, 64, 64])]), ("Incompatible dimensions",)),
+    "3d-gemm": (lambda: _odd_model([helper.make_node("Gemm", ["x", "W"], ["y"], name="gemm")], [_vi("x", [3, 64])],
+                                   [_vi("y", [3, 64])], [_w([2, 64, 64])]),
+                ("Gemm node 'gemm'", "expected to have rank 2 but has rank 3")),
+    "1d-gemm": (lambda: _odd_model([helper.make_node("Gemm", ["x", "W"], ["y"], name="gemm")], [_vi("x", [3, 64])],
+                                   [_vi("y", [3])], [_w([64])]), ("rank 2 but has rank 1",)),
+    "behind-another-node": (lambda: _odd_model(
+        [helper.make_node("Relu", ["x"], ["r"], name="relu"), _mm("r", "W")], [_vi("x", [2, 3, 32])],
+        [_vi("y", [2, 3, 64])], [_w([2, 64, 64])]), ("'r' (FLOAT [2, 3, 32])", "Incompatible dimensions")),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNREADABLE))
+def test_weight_its_node_cannot_read_is_refused_up_front(kind: str, tmp_path: Path, cli, sha256_tree) -> None:
+    """Not at the final ONNX Runtime check of the output, after every pass: when the input is loaded, in one
+    line naming the node and the weight (quantize, --plan and inspect alike)."""
+    import onnxruntime as ort
+
+    build, needles = UNREADABLE[kind]
+    model = tmp_path / "in" / "model.onnx"
+    model.parent.mkdir()
+    onnx.save(build(), model)
+    with pytest.raises(Exception):  # noqa: B017 - ONNX Runtime's own exception types
+        ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    line = quantize_fails(cli, tmp_path, sha256_tree, model, "is not a valid ONNX model", "ONNX Runtime refuses",
+                          *needles, output="out/q.onnx")
+    assert "saved model" not in line
+    for argv in (("quantize", "-m", model, "-o", tmp_path / "p.onnx", "--algorithm", "rtn", "--plan"),
+                 ("inspect", model)):
+        code, _, err = cli(*argv)
+        assert code == 1
+        one_error_line(err, *needles)
+
+
+def test_onnx_runtime_text_is_folded_into_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONNX Runtime's messages can span lines: the error keeps all of it, on one line."""
+    import onnxruntime as ort
+
+    from bitpress.errors import ValidationError
+    from bitpress.onnx import save
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("[ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model failed:\nThis is an invalid model.\n"
+                           "  Type Error: Type 'tensor(string)' of input parameter (W) is invalid.\n")
+
+    monkeypatch.setattr(ort, "InferenceSession", refuse)
+    with pytest.raises(ValidationError) as info:
+        save.open_session(tmp_path / "m.onnx")
+    assert "\n" not in str(info.value)
+    assert "INVALID_GRAPH" in str(info.value) and "Type 'tensor(string)'" in str(info.value)
+
+
+# -- 11. the helper itself --------------------------------------------------------------------------------------------
 def test_paths_inside(tmp_path: Path) -> None:
     root = tmp_path / "root"
     (root / "sub").mkdir(parents=True)

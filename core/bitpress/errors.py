@@ -70,6 +70,14 @@ class ExportError(BitpressError):
     """A model cannot be exported as asked, or an exporter (the GenAI builder) failed on it."""
 
 
+def one_line(exc: BaseException | str, limit: int = 600) -> str:
+    """Another library's error text (ONNX Runtime's spans several lines) folded into one bounded line."""
+    text = " ".join(str(exc).split())
+    if not text:
+        return type(exc).__name__ if isinstance(exc, BaseException) else ""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def summarize_names(names: Iterable[str], limit: int = 3) -> str:
     """``"a, b, c and 44 more"``: the first ``limit`` names in the order given (repeats dropped)."""
     unique = list(dict.fromkeys(names))

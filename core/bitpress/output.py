@@ -50,6 +50,10 @@ _NO_LINK = frozenset(
     getattr(errno, name) for name in ("EPERM", "EOPNOTSUPP", "ENOTSUP", "EMLINK", "ENOSYS", "EXDEV", "EACCES")
     if hasattr(errno, name)
 )
+#: creating a file or folder fails so where the folder exists but takes no new entries (/proc, some FUSE mounts)
+_NO_NEW_FILES = frozenset(
+    getattr(errno, name) for name in ("ENOENT", "EINVAL", "EOPNOTSUPP", "ENOTSUP") if hasattr(errno, name)
+)
 _NO_FLOCK = frozenset(getattr(errno, n) for n in ("ENOLCK", "EOPNOTSUPP", "ENOTSUP", "EINVAL") if hasattr(errno, n))
 
 
@@ -69,6 +73,52 @@ def data_files(target: Path) -> list[Path]:
             return sorted(target.parent / e.name for e in entries if e.name.startswith(prefix))
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+# -- which kind of output: one rule for quantize, run, export and publish -------------------------------
+#: an output whose name ends in this is one model file; any other name is a folder (docs/security.md)
+MODEL_FILE_SUFFIX = ".onnx"
+
+
+def names_a_file(out: Path) -> bool:
+    """Whether ``out`` is named like a model file (``*.onnx``, any case)."""
+    return out.suffix.lower() == MODEL_FILE_SUFFIX
+
+
+def check_output_name(out: Path, folder: bool, why: str) -> None:
+    """A folder output named like a model file is refused: ``out.onnx`` always means a file.
+
+    ``why``: what makes this output a folder, for the message (``the input is a folder``).
+    """
+    if folder and names_a_file(out):
+        raise OutputError(
+            f"the output {out} ends in {MODEL_FILE_SUFFIX}, which names one model file, but {why}, so the output "
+            f"is a folder; give a folder name (one without {MODEL_FILE_SUFFIX})"
+        )
+
+
+def check_existing_kind(target: Path, shown: Path, folder: bool) -> None:
+    """What is already at the output's place must be of the output's kind, with ``--overwrite`` or without.
+
+    ``--overwrite`` replaces an earlier output; it never replaces a folder with a file (``-o out.onnx``
+    where ``out.onnx/`` is a folder) nor a file with a folder. Links are names, not outputs: the
+    other checks handle them.
+    """
+    try:
+        st = os.lstat(target)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if not folder and stat.S_ISDIR(st.st_mode):
+        raise OutputError(
+            f"the output {shown} is an existing folder, but a name ending in {MODEL_FILE_SUFFIX} is written as one "
+            "model file, and a folder is never replaced by a file (--overwrite or not); remove the folder or "
+            f"choose another name (a name without {MODEL_FILE_SUFFIX} is a folder output, written inside it)"
+        )
+    if folder and stat.S_ISREG(st.st_mode):
+        raise OutputError(
+            f"the output {shown} is an existing file, but this run writes a folder there, and a file is never "
+            "replaced by a folder (--overwrite or not); remove the file or choose another name"
+        )
 
 
 # -- before anything is created ------------------------------------------------------------------------
@@ -108,7 +158,7 @@ def make_parents(parent: Path, shown: Path) -> list[Path]:
             created.insert(0, d)
     except OSError as exc:
         remove_created(created)
-        raise write_error(exc, shown) or exc from None
+        raise write_error(exc, shown, creating=True) or exc from None
     except BaseException:
         remove_created(created)
         raise
@@ -124,22 +174,36 @@ def remove_created(created: list[Path]) -> None:
             break
 
 
-def write_error(exc: OSError, shown: Path) -> OutputError | None:
-    """A clean error for a full disk, a read-only file system or a permission refused; else None."""
-    if exc.errno not in WRITE_ERRNOS:
-        return None
+def write_error(exc: OSError, shown: Path, creating: bool = False) -> OutputError | None:
+    """A clean error for a full disk, a read-only file system or a permission refused; else None.
+
+    ``creating``: ``exc`` came from creating the output's first entries (its parent folders, the lock
+    file); an existing folder that takes no new entries (``/proc``: ENOENT) is then a clean error too.
+    """
     reason = exc.strerror or os.strerror(exc.errno or 0)
     where = os.fsdecode(exc.filename) if exc.filename is not None else None
     code = errno.errorcode.get(exc.errno or 0, "")
-    if exc.errno in (errno.EACCES, errno.EPERM) and where is not None:
-        try:
-            writing = Path(where).absolute().is_relative_to(final_path(shown).parent)
-        except (OSError, ValueError, OutputError):
-            writing = False
-        if not writing:  # e.g. a file of the input that cannot be read
-            return OutputError(f"{reason} ({code}): {where}")
+    if creating and exc.errno in _NO_NEW_FILES and where is not None:
+        folder = Path(where).absolute().parent
+        if folder.is_dir() and _writing(where, shown):
+            return OutputError(
+                f"cannot write the output {shown}: files cannot be created in the folder {folder} ({reason} ({code})); "
+                "choose an output folder on a writable file system; nothing was written"
+            )
+    if exc.errno not in WRITE_ERRNOS:
+        return None
+    if exc.errno in (errno.EACCES, errno.EPERM) and where is not None and not _writing(where, shown):
+        return OutputError(f"{reason} ({code}): {where}")  # e.g. a file of the input that cannot be read
     detail = f" ({where})" if where else ""
     return OutputError(f"cannot write the output {shown}: {reason} ({code}){detail}; nothing was written")
+
+
+def _writing(where: str, shown: Path) -> bool:
+    """Whether the path an error names is where the output is being written (not a file of the input)."""
+    try:
+        return Path(where).absolute().is_relative_to(final_path(shown).parent)
+    except (OSError, ValueError, OutputError):
+        return False
 
 
 # -- the lock ------------------------------------------------------------------------------------------------
@@ -175,7 +239,7 @@ class OutputLock:
             if exc.errno == errno.ELOOP:
                 raise OutputError(f"cannot lock the output {self.shown}: {self.path} is a symbolic link; "
                                   "remove it") from None
-            raise write_error(exc, self.shown) or exc from None
+            raise write_error(exc, self.shown, creating=True) or exc from None
 
     def _open_flags(self) -> int:
         return os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)

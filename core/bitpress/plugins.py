@@ -12,6 +12,7 @@ the host's own errors pass through unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import importlib.metadata as md
@@ -26,7 +27,7 @@ from typing import Any
 
 import pluggy
 
-from bitpress import hookspecs
+from bitpress import crashwatch, hookspecs, plugin_probe
 from bitpress.errors import PassNotFoundError, PassUnavailableError, PluginError
 from bitpress.models.base import ModelHandle
 from bitpress.passes import Pass, check_pass_class
@@ -116,11 +117,14 @@ class guard:  # lower case: used like a function, ``with guard(plugin, "in pass 
 
     def __init__(self, plugin: str, action: str) -> None:
         self.plugin, self.action = plugin, action
+        self._watch = crashwatch.plugin_code(plugin, action)  # a native crash in the block names the plugin
 
     def __enter__(self) -> guard:
+        self._watch.__enter__()
         return self
 
     def __exit__(self, tp: Any, exc: BaseException | None, tb: Any) -> bool:
+        self._watch.__exit__(None, None, None)
         if exc is None or passes_through(exc):
             return False
         raise plugin_fault(self.plugin, self.action, exc) from exc
@@ -146,7 +150,8 @@ def _guarded(function: Callable[..., Any], plugin: str, hook: str, argnames: tup
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
-            return function(*args, **kwargs)
+            with crashwatch.plugin_code(plugin, _hook_action(hook, argnames, args, kwargs)):
+                return function(*args, **kwargs)
         except BaseException as exc:
             if passes_through(exc):
                 raise
@@ -163,12 +168,18 @@ def _guarded_wrapper(
 
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+        action = _hook_action(hook, argnames, args, kwargs)
+
         def fault(exc: BaseException) -> PluginError:
-            return plugin_fault(plugin, _hook_action(hook, argnames, args, kwargs), exc)
+            return plugin_fault(plugin, action, exc)
+
+        def watched() -> contextlib.AbstractContextManager[None]:
+            return crashwatch.plugin_code(plugin, action)  # the wrapper's own code, not the call it wraps
 
         try:
-            inner = function(*args, **kwargs)
-            value = next(inner)
+            with watched():
+                inner = function(*args, **kwargs)
+                value = next(inner)
         except StopIteration:
             raise fault(RuntimeError("the hook wrapper did not yield")) from None
         except BaseException as exc:
@@ -183,7 +194,8 @@ def _guarded_wrapper(
                 raise
             except BaseException as thrown:  # the wrapped call failed: the wrapper may handle it
                 try:
-                    value = inner.throw(thrown)
+                    with watched():
+                        value = inner.throw(thrown)
                 except StopIteration as stop:
                     return stop.value
                 except BaseException as exc:
@@ -192,7 +204,8 @@ def _guarded_wrapper(
                     raise fault(exc) from exc
             else:
                 try:
-                    value = inner.send(sent)
+                    with watched():
+                        value = inner.send(sent)
                 except StopIteration as stop:
                     return stop.value
                 except BaseException as exc:
@@ -278,8 +291,11 @@ class Registry:
         self.pm.register(remote, name="bitpress.envs")
         if entry_points:
             self._add_host_passes(builtin)  # first: a plugin cannot take their names
-            for ep in md.entry_points(group=ENTRY_POINT_GROUP):
-                self._load_entry_point(ep)
+            eps = list(md.entry_points(group=ENTRY_POINT_GROUP))
+            # plugins whose import crashes the process (abort, segfault) are known from a child: never imported here
+            crashed = plugin_probe.crashed_plugins(eps)
+            for i, ep in enumerate(eps):
+                self._load_entry_point(ep, crashed.get(i))
             # passes that cannot run here but can in a plugin environment (bitpress env create)
             remote.add_env_passes(self)
 
@@ -296,7 +312,7 @@ class Registry:
             cls.plugin = HOST_PLUGIN
             self.passes[cls.name] = cls
 
-    def _load_entry_point(self, ep: md.EntryPoint) -> None:
+    def _load_entry_point(self, ep: md.EntryPoint, crash: plugin_probe.Crash | None = None) -> None:
         dist = getattr(ep, "dist", None)
         info = PluginInfo(
             name=ep.name,
@@ -309,8 +325,14 @@ class Registry:
             self.plugins[f"{ep.name} ({info.distribution})"] = info
             return
         self.plugins[ep.name] = info
+        if crash is not None:
+            info.error, info.detail = crash.reason, crash.detail or None
+            log.warning("plugin %s is broken and was skipped: %s", info.name, info.error)
+            log.debug("plugin %s, as its check process died:\n%s", info.name, info.detail)  # shown with --verbose
+            return
         try:
-            plugin = ep.load()
+            with crashwatch.plugin_code(ep.name, "while it was imported"):
+                plugin = ep.load()
         except BaseException as exc:  # SystemExit, GeneratorExit and custom BaseExceptions too
             if isinstance(exc, KeyboardInterrupt):
                 raise
@@ -329,7 +351,8 @@ class Registry:
             # call only this plugin's implementation so one plugin's error stays its own
             for impl in self.pm.hook.bitpress_register_passes.get_hookimpls():
                 if impl.plugin is plugin:
-                    impl.function(register=collected.append)
+                    with crashwatch.plugin_code(name, "while registering its passes"):
+                        impl.function(register=collected.append)
             unique: dict[str, type[Pass]] = {}
             for cls in collected:
                 check_pass_class(cls)

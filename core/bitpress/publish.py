@@ -154,7 +154,7 @@ def publish(config: dict[str, Any], *, overwrite: bool = False, progress: Any = 
     if config["matrix"].get("eval") is not None:
         check_eval(config["matrix"]["eval"])  # before anything is built
     src, out = Path(config["input"]), Path(config["output"])
-    out.mkdir(parents=True, exist_ok=True)
+    _make_output_folder(out)
     result = PublishResult(out)
     with tempfile.TemporaryDirectory(prefix=".bitpress-publish-", dir=out) as tmp:
         checkpoints: dict[str, Path | BitpressError] = {}
@@ -200,6 +200,21 @@ def publish(config: dict[str, Any], *, overwrite: bool = False, progress: Any = 
         evaluate_cells(result, config["matrix"]["eval"], progress=progress)
     (out / INDEX).write_text(json.dumps(result.to_json(), indent=2) + "\n")
     return result
+
+
+def _make_output_folder(out: Path) -> None:
+    """The publish output: a folder, by the output rule every command shares (docs/security.md); refused
+    before anything is built when it is named like a model file, is a file, or cannot be created."""
+    from bitpress import output
+
+    output.check_output_name(out, True, "publish writes a tree of packages")
+    target = output.final_path(out)
+    output.check_existing_kind(target, out, folder=True)
+    output.check_parent(target, out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise output.write_error(exc, out, creating=True) or exc from None
 
 
 def check_eval(spec: Any) -> dict[str, Any]:

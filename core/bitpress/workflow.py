@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from bitpress import output
+from bitpress import crashwatch, output
 from bitpress.errors import ConfigError, OutputError, PassNotFoundError, PluginError, UsageError
 from bitpress.interrupts import deferred, note_written
 from bitpress.models.base import ModelHandle
@@ -528,8 +528,8 @@ def run_workflow(
         from bitpress.errors import ModelLoadError
 
         raise ModelLoadError(f"model not found: {src}")
-    # a file output for `.onnx` or the input's own suffix (formats added by plugins), else a folder
-    folder_out = src.is_dir() or wf.output.suffix.lower() not in {".onnx", src.suffix.lower()} - {""}
+    folder_out, why = _output_is_folder(src, wf)
+    output.check_output_name(wf.output, folder_out, why)
     _check_output(src, wf.output, folder_out, wf.overwrite)
     target = output.final_path(wf.output)
     output.check_parent(target, wf.output)
@@ -566,13 +566,18 @@ def run_workflow(
     seconds: dict[str, float] = {}
     committed = False
     created: list[Path] = []
+    # what a native crash in a plugin would leave: the CLI's crash watcher removes it (bitpress.crashwatch)
+    watched: list[int | None] = []
     try:
         try:
             # folders this run creates for the output, deepest first: removed again if the run fails
             created = output.make_parents(target.parent, wf.output)
+            watched += [crashwatch.remove_if_crashed(d, "dir") for d in reversed(created)]
             lock.acquire()  # one run per output; held until the end
+            watched.append(crashwatch.remove_if_crashed(lock.path, "lock"))
             _check_output_free(target, wf.output, folder_out, wf.overwrite)  # again, now that no run can write it
             tmp.mkdir()
+            watched.append(crashwatch.remove_if_crashed(tmp, "tree"))
             payload = tmp / "payload"
             if isinstance(model, OnnxPackage):
                 files = _run_package(model, wf, registry, context, payload, seconds)
@@ -589,6 +594,7 @@ def run_workflow(
                 seconds["save"] = time.perf_counter() - t0
                 staged = payload if folder_out else dest
             with deferred():  # a signal now waits until the output is wholly in place, or not at all
+                crashwatch.forget(watched.pop())  # the temporary folder may soon hold the previous output
                 final_files = _move_into_place(staged, wf.output, folder_out, files, tmp, wf.overwrite)
                 committed = True
                 note_written(wf.output)  # a signal from now on says the output is complete
@@ -611,6 +617,8 @@ def run_workflow(
             lock.release()
             if not committed:
                 output.remove_created(created)
+            for key in watched:
+                crashwatch.forget(key)
     in_bytes = _size_of(src)
     out_bytes = sum(f.stat().st_size for f in final_files if f.is_file())
     companions = int(context.extras.get("companion_bytes", 0))
@@ -765,6 +773,23 @@ def _save(registry: Registry, model: ModelHandle, dest: Path, save: SaveOptions)
 MAX_OUTPUT_PART = 230
 
 
+def _output_is_folder(src: Path, wf: Workflow) -> tuple[bool, str]:
+    """Whether the output is a folder, and what makes it one (for messages); the rule of docs/security.md.
+
+    A folder input (ONNX Runtime GenAI package, Hugging Face checkpoint) and a pass that makes a
+    package give a folder; otherwise a name ending in ``.onnx`` (or in the input's own suffix, for
+    formats plugins add) is a file and any other name a folder.
+    """
+    if src.is_dir():
+        return True, "the input is a folder"
+    last = next((s.pass_ for s in reversed(wf.steps) if s.pass_.output_kind is not None), None)
+    if last is not None and last.output_kind == "genai-package":
+        return True, f"pass {last.name} makes a package"
+    if wf.output.suffix.lower() in {output.MODEL_FILE_SUFFIX, src.suffix.lower()} - {""}:
+        return False, ""
+    return True, f"its name does not end in {output.MODEL_FILE_SUFFIX}"
+
+
 def _check_output(src: Path, out: Path, folder_out: bool, overwrite: bool) -> None:
     for part in out.parts:
         if len(os.fsencode(part)) > MAX_OUTPUT_PART:
@@ -795,8 +820,10 @@ def _check_output_free(target: Path, shown: Path, folder_out: bool, overwrite: b
     """Without ``overwrite``, nothing may be where the output goes (a folder output may be an empty folder).
 
     Checked at the start and again once the run holds the output's lock; the final move checks it
-    a last time, atomically (:mod:`bitpress.output`).
+    a last time, atomically (:mod:`bitpress.output`). A folder where a file goes (or a file where a
+    folder goes) is refused with ``overwrite`` too.
     """
+    output.check_existing_kind(target, shown, folder_out)
     if overwrite:
         return
     if os.path.lexists(target) and not (folder_out and output.is_empty_dir(target)):

@@ -25,6 +25,7 @@ from bitpress.onnx.tensors import (
     iter_graphs,
     iter_tensors,
 )
+from bitpress.onnx.weight_reads import check_weight_reads
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,12 @@ class OnnxModel(ModelHandle):
                 model.resolver.validate(tensor)
                 if not external_ref(tensor).location.startswith(INLINE_PREFIX):
                     model.external_source = True
+        try:
+            # a weight its node cannot read (a STRING or 3-D Gemm weight): refused now, naming the node,
+            # not at the final ONNX Runtime check of the output (after the tensors' own checks above)
+            check_weight_reads(proto)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{path} is not a valid ONNX model: {exc}") from None
         return model
 
     # -- tensors -------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from bitpress.errors import QuantizationError
+from bitpress.errors import QuantizationError, one_line
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.tensors import is_external, iter_graphs, iter_tensors
 
@@ -66,7 +66,7 @@ def channel_importance(
         except Exception as exc:  # ORT raises its own pybind exception types
             shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in feed.items())
             raise QuantizationError(
-                f"cannot run the model on the calibration data (inputs {shapes}): {_first_line(exc)}"
+                f"cannot run the model on the calibration data (inputs {shapes}): {one_line(exc)}"
             ) from None
         for act, (sq_name, shape_name) in outputs.items():
             if shape_name is None:  # not reduced in the graph (opset < 11): the activation itself
@@ -260,7 +260,8 @@ def session_for(graph: bytes, base: Path) -> Any:  # an onnxruntime.InferenceSes
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
-    opts.log_severity_level = 3
+    # fatal only: a failure is raised below, as one line; ORT's own log line of it would be a second line
+    opts.log_severity_level = 4
     opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(base))
     # pre-packing keeps a packed copy of every MatMul weight: twice the weights for a few runs
     opts.add_session_config_entry("session.disable_prepacking", "1")
@@ -271,9 +272,5 @@ def session_for(graph: bytes, base: Path) -> Any:  # an onnxruntime.InferenceSes
     try:
         return ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
     except Exception as exc:  # ORT raises its own pybind exception types
-        raise QuantizationError(f"cannot run the model for calibration: {_first_line(exc)}") from None
+        raise QuantizationError(f"cannot run the model for calibration: {one_line(exc)}") from None
 
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__

@@ -16,7 +16,7 @@ from pathlib import Path
 import onnx
 from onnx import numpy_helper
 
-from bitpress.errors import OutputError, ValidationError
+from bitpress.errors import OutputError, ValidationError, one_line
 from bitpress.memory import release_free_memory
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.graph import ensure_opsets
@@ -338,8 +338,8 @@ def open_session(path: Path):
     try:
         return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValidationError(f"ONNX Runtime cannot open the saved model {path.name}: {first}") from None
+        # ONNX Runtime's text can span lines: folded, so the CLI's error stays one line
+        raise ValidationError(f"ONNX Runtime cannot open the saved model {path.name}: {one_line(exc)}") from None
 
 
 __all__ = ["SaveOptions", "check_saved", "check_with_ort_ops", "external_ref", "open_session", "save_onnx"]

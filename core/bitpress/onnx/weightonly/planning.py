@@ -312,9 +312,11 @@ def _classify(
     if t is None:
         return None, "", None  # activations x activations (attention scores): nothing to do
     if len(t.dims) != 2:
-        return None, "", f"weight {b} is {len(t.dims)}-D; only 2-D weights are quantized"
+        # valid ONNX (a matrix-vector or a batched MatMul), but not one [K, N] matrix for MatMulNBits
+        kind = {0: "a scalar", 1: "1-D, a matrix-vector product"}.get(len(t.dims), f"{len(t.dims)}-D, a batched MatMul")
+        return None, "", f"weight {b} is {kind}; only 2-D weights are quantized, it stays float"
     if t.data_type not in FLOAT_TYPES:
-        return None, "", f"weight {b} is not float"
+        return None, "", f"weight {b} is {_type_name(t.data_type)}, not float; it stays as it is"
     if node.op_type == "MatMul":
         return Use(node, "matmul_t" if transpose is not None else "matmul", transpose), b, None
     # Gemm: Y = alpha * A' B' + beta * C
@@ -325,6 +327,13 @@ def _classify(
     if len(node.input) > 2 and node.input[2] and float(attrs.get("beta", 1.0)) != 1.0:
         return None, "", "Gemm with beta != 1 is skipped (no exact rewrite)"
     return Use(node, "gemm_t" if attrs.get("transB", 0) else "gemm"), b, None
+
+
+def _type_name(data_type: int) -> str:
+    try:
+        return onnx.TensorProto.DataType.Name(data_type)
+    except ValueError:
+        return f"data type {data_type}"
 
 
 def attrs_of(node: onnx.NodeProto) -> dict[str, Any]:
