@@ -109,7 +109,14 @@ METHODS = [
     Method("gptq", "int4", {**ASYM, "block_size": 128}, "gptq int4 asym b128"),
     Method("awq", "int4", {**ASYM, "block_size": 32}, "awq int4 asym b32"),
     Method("awq", "int4", {**ASYM, "block_size": 128}, "awq int4 asym b128"),
+    # what the default accuracy_level 4 (int8 activations: ONNX Runtime's fast kernels, docs/speed.md) costs:
+    # the same weights computed in float32 (level 0, slow: 8 bits are dequantized on every call there)
+    Method("rtn", "int8", {"accuracy_level": 0}, "rtn int8 level 0"),
+    Method("rtn", "int8", {"block_size": 128}, "rtn int8 b128"),
+    Method("kquant", "int4", {"accuracy_level": 0}, "kquant int4 level 0"),
 ]
+#: (row, the same weights at accuracy_level 0): what int8 activations cost
+LEVELS = [("rtn int8", "rtn int8 level 0"), ("kquant int4", "kquant int4 level 0")]
 #: passes that take calibration data: fed CALIB_SAMPLES windows of the calibration text (see calibration_text)
 CALIBRATED = ("gptq", "awq")
 CALIB_SAMPLES = 32
@@ -558,6 +565,15 @@ def checks(results: dict[str, list[Row]]) -> list[str]:
             worst8 = max(int8, key=lambda m: abs(change[m]))
             lines.append(f"SmolLM2, int8: every row within {abs(change[worst8]):.2%} of the float perplexity "
                          f"({worst8} the furthest).")
+        for method, level0 in LEVELS:
+            if method in change and level0 in change:
+                lines.append(f"SmolLM2: accuracy_level 4 (int8 activations, the default: fast) against 0 (float32 "
+                             f"compute) for the same weights: {method} {change[method]:+.2%} vs "
+                             f"{change[level0]:+.2%}.")
+        if "rtn int8 b128" in change and "rtn int8" in change:
+            lines.append(f"SmolLM2: at level 4, rtn int8 with its default blocks of 32 (int8 activations in blocks "
+                         f"of 32 too): {change['rtn int8']:+.2%}, against {change['rtn int8 b128']:+.2%} with blocks "
+                         "of 128.")
         lines.append("SmolLM2, 4-bit, from best to worst: " + ", ".join(f"{m} {change[m]:+.1%}" for m in four) + ".")
         gptq, rtn = change.get("gptq int4 asym b128"), change.get("rtn int4 asym b128")
         if gptq is not None and rtn is not None and rtn > 0:
@@ -651,6 +667,13 @@ def render(meta: dict[str, Any], results: dict[str, list[Row]]) -> str:
         "files are larger and why its error comes from the other weights alone.",
         "",
         *([f"**Calibration.** {meta['calibration']}", ""] if meta.get("calibration") else []),
+        "**How the weights run.** Every `MatMulNBits` is written with `accuracy_level` 4, bitpress's default "
+        "for the cpu target: ONNX Runtime quantizes each block of activations to int8 and runs its packed int8 "
+        "kernels, the only fast path for 8-bit weights ([speed.md](speed.md)). Float zero points (hqq, kquant, "
+        "q4_k_m) are written as integer ones plus an exact block-sum correction (the same weights). The "
+        "*level 0* rows compute the same weights in float32 (slow): the difference is what int8 activations "
+        "cost.",
+        "",
         "**size** is the model's `.onnx` file and its external data. **quantize s** is the wall time of "
         f"`bitpress.quantize` (reading, quantizing, writing, checking) on {meta['cores']} cores, with whatever "
         "else the machine was doing (load average below): compare the rows with each other, not with other "

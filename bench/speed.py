@@ -90,6 +90,11 @@ BITPRESS = [
     _bp("rtn-int4-b128", "rtn", "int4", 128, 4, "bitpress rtn int4 asym b128", **ASYM, block_size=128),
     _bp("hqq-int4", "hqq", "int4", 64, 4, "bitpress hqq int4 (b64, float zp)"),
     _bp("kquant-int4", "kquant", "int4", 32, 4, "bitpress kquant int4 (b32, float zp)"),
+    # the speed-first alternative of the two float-zero-point solvers: integer zero points, no correction
+    _bp("kquant-int4-int", "kquant", "int4", 32, 4, "bitpress kquant int4 (b32, float_zero_points=false)",
+        float_zero_points=False),
+    _bp("hqq-int4-int", "hqq", "int4", 64, 4, "bitpress hqq int4 (b64, float_zero_points=false)",
+        float_zero_points=False),
     _bp("q4_k_m", "q4_k_m", None, 32, 4, "bitpress q4_k_m"),
     _bp("gptq-int4-b32", "gptq", "int4", 32, 4, "bitpress gptq int4 asym b32", **ASYM, block_size=32),
     _bp("gptq-int4-b128", "gptq", "int4", 128, 4, "bitpress gptq int4 asym b128", **ASYM, block_size=128),
@@ -665,6 +670,24 @@ def render(meta: dict[str, Any], results: dict[str, list[Row]], kernel_rows: lis
               "slower than float unless the user asked for a format with no fast form (nf4: `--plan` and the run "
               "say so).", ""]
     lines += checks(results, threads)
+    lines += ["", "Why the rows that miss miss, measured above:", "",
+              "- **Float zero points** (hqq, kquant, q4_k_m, the GGUF imports of Q4_1 / Q4_K): the format itself is "
+              "larger than the builder's symmetric int4 (a float offset per block besides the scale: kquant b32 "
+              "stores 6.1 bits per weight against 5), decoding is bound by the bytes read, and the correction that "
+              "keeps the exact offsets on the packed kernels adds two small MatMuls and an Add per weight. Their "
+              "*float_zero_points=false* rows (integer zero points, solved for: no correction) run at the "
+              "builder's speed and give up part of the accuracy; on these two models, whose float weights are "
+              "llama.cpp's float-offset blocks, most of it. (ONNX Runtime's int8 kernels apply integer zero points "
+              "through the activations' block sums, a scheme float offsets would fit as well; but it prepacks "
+              "only absent or uint8 zero points.)",
+              "- **q4_k_m and the GGUF imports** also hold 8-bit tensors (the tied embedding / LM head table, "
+              "attn_v and ffn_down of some layers): more bytes per token than an all-int4 model.",
+              "- **Prompt at 2 threads**: at a prompt of 128 tokens on these small matrices (hidden 576 / 640) "
+              "ONNX Runtime's int8 kernels are no faster than its float32 GEMM (see *One weight in each form*: "
+              "the gain at 128 rows comes with 2048-wide weights), so every int4 row, the builder's own "
+              "included, sits around 0.9x-1.1x of float32 there.",
+              "- **nf4 / fp4** (`MatMulBnb4`) have no fast kernel on CPU: ONNX Runtime dequantizes every weight on "
+              "every call. The plan marks them, the run warns; choose them only where their size is the point."]
     lines += ["", "## How this was run", "",
               f"- command: `{meta['command']}`; total wall time {meta['wall_min']:.1f} min",
               f"- source: {meta['source']}",

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bitpress import __version__
+from bitpress import __version__, crashwatch
 from bitpress.errors import BitpressError, Interrupted, UsageError, ValidationError
 from bitpress.interrupts import Caught, handle_signals
 from bitpress.options import describe
@@ -32,6 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bitpress: error: `bitpress {command}` has no JSON output (--json)", file=sys.stderr)
         return EXIT_USAGE
     caught = Caught()  # the first signal; an interrupt can surface as another error (see Caught)
+    # plugins run in this process: a native crash in one prints Python's stack and a line naming it
+    crashwatch.enable()
     try:
         with handle_signals(caught):  # SIGINT, SIGTERM, SIGHUP raise Interrupted: the library's cleanup runs
             return int(args.func(args) or 0)
@@ -51,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"bitpress: internal error: {type(exc).__name__}: {exc} (rerun with --verbose)", file=sys.stderr)
         return EXIT_FAIL
+    finally:
+        crashwatch.disable()
 
 
 def _interrupted(exc: KeyboardInterrupt, verbose: bool, surfaced: BaseException | None = None) -> int:
@@ -410,6 +414,7 @@ def _cmd_passes_show(args: argparse.Namespace) -> int:
             "model_kinds": list(cls.model_kinds), "needs_data": cls.needs_data,
             "unavailable": cls.unavailable_reason(), "where": runs,
             "options": [{"name": o.name, "type": o.type, "default": o.default, "help": o.help} for o in opts],
+            "precision_defaults": {p: cls.precision_defaults(p) for p in cls.precisions} if runs == "here" else {},
         }, indent=2, default=str))
         return EXIT_OK
     print(f"{cls.name} (plugin {cls.plugin}): {cls.summary}")
@@ -426,6 +431,11 @@ def _cmd_passes_show(args: argparse.Namespace) -> int:
     table = [["NAME", "TYPE", "DEFAULT", "HELP"]]
     table += [[o.name, o.type, json.dumps(o.default, default=str), o.help] for o in opts]
     _print_table(table, indent="  ")
+    for precision in cls.precisions if runs == "here" else ():
+        implied = cls.precision_defaults(precision)
+        if implied:
+            print(f"  --precision {precision} defaults to " + ", ".join(f"{k}={json.dumps(v)}" for k, v in
+                                                                       implied.items()) + " (unless given)")
     return EXIT_OK
 
 

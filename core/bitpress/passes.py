@@ -151,7 +151,15 @@ class Pass(ABC):
                         f"{cls.name}: option {key}={short(values[key])} contradicts --precision {precision}"
                     )
                 values[key] = value
+            for key, value in cls.precision_defaults(precision).items():
+                values.setdefault(key, value)  # the user's own value wins
         return cls(parse_options(cls.Options, values, owner=cls.name, strict=strict))
+
+    @classmethod
+    def precision_defaults(cls, precision: str) -> dict[str, Any]:
+        """Defaults a precision brings that the user's options override (``precision_options`` are implied and
+        cannot be contradicted). Default: none."""
+        return {}
 
     @classmethod
     def precision_options(cls, precision: str) -> dict[str, Any]:
