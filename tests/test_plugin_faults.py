@@ -15,6 +15,7 @@ or without an exit code and no result: exit code 1, a clean line, nothing left.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import resource
@@ -631,6 +632,26 @@ def test_plugin_check_without_fork(site: Path, cache: Path, run_cli, no_core_dum
     monkeypatch.setattr(plugin_probe, "_can_fork", lambda: False)
     install_plugin(site, "import", "segv")
     assert_listing_works(run_cli, broken="its import crashes the process (SIGSEGV)")
+
+
+def test_plugin_check_reports_the_crash_despite_the_hosts_own_handlers(site: Path, cache: Path, run_cli,
+                                                                     no_core_dumps) -> None:
+    """A library of the host process (Ray, a Python handler) replaced faulthandler's SIGABRT handler while
+    faulthandler still counts as enabled: the forked check still prints Python's stack of the crash."""
+    was_enabled = faulthandler.is_enabled()
+    if not was_enabled:
+        faulthandler.enable()
+    previous = signal.signal(signal.SIGABRT, lambda *_: None)
+    try:
+        install_plugin(site, "import", "abort")
+        assert_listing_works(run_cli, broken="its import crashes the process (SIGABRT)")
+    finally:
+        signal.signal(signal.SIGABRT, previous)
+        if not was_enabled:
+            faulthandler.disable()
+    entries = json.loads((cache / plugin_probe.CACHE_FILE).read_text())["entries"]
+    crashed = [e for e in entries.values() if e["crashed"]]
+    assert len(crashed) == 1 and "Fatal Python error: Aborted" in crashed[0]["detail"]
 
 
 def test_plugin_check_ignores_a_broken_cache(site: Path, cache: Path, run_cli, no_core_dumps) -> None:

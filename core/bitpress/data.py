@@ -92,7 +92,7 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
     return specs
 
 
-def _vocab_size(model: onnx.ModelProto) -> int:
+def vocab_size(model: onnx.ModelProto) -> int:
     """Rows of the first Gather table read by the ids (the embedding), else 100."""
     inits = {t.name: t for t in model.graph.initializer}
     for node in model.graph.node:
@@ -121,7 +121,7 @@ def iter_feeds(
     plain = [s for s in specs if not is_past(s)]
     if src == "random":
         log.warning("calibrating on random inputs: fine for smoke tests, not for real quality")
-        for feed in _random(plain, config, _vocab_size(model)):
+        for feed in _random(plain, config, vocab_size(model)):
             yield plan.fill(feed)
         return
     path = Path(src)

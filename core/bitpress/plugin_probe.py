@@ -324,12 +324,23 @@ def spawned(spec: str) -> None:
     check([found[w] for w in wanted if w in found], 1)
 
 
+#: the signals faulthandler reports
+_FATAL_SIGNALS = tuple(getattr(signal, n) for n in ("SIGSEGV", "SIGFPE", "SIGABRT", "SIGBUS", "SIGILL")
+                       if hasattr(signal, n))
+
+
 def check(entry_points: list[md.EntryPoint], fd: int) -> None:
     """Import each plugin and call its ``bitpress_register_passes``, telling ``fd`` before and after each."""
     import faulthandler
 
     os.dup2(fd, 1)
     os.dup2(fd, 2)  # what the plugins print, and faulthandler's stack as the process dies
+    # A fork inherits the host's handlers of fatal signals: a library's own (Ray's, a Python handler) may have
+    # replaced faulthandler's while faulthandler still counts as enabled, and would die silently or not at all.
+    # Back to the default action, then faulthandler's handlers installed afresh.
+    faulthandler.disable()
+    for sig in _FATAL_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
     faulthandler.enable(file=2, all_threads=True)
 
     def mark(event: str) -> None:

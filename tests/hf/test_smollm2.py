@@ -52,14 +52,19 @@ def test_smollm2_rtn_int4_export_runs_in_onnx_runtime(smollm2_hf: Path, lee_back
     t_quant = time.perf_counter() - t0
     assert ms_ops(tmp_path / "q_onnx" / "model.onnx") == {"MatMulNBits": LAYERS * LINEARS_PER_LAYER}
 
-    # the export computes what the quantized PyTorch model computes
+    # the export computes what the quantized PyTorch model computes: exactly with float32 compute
+    # (accuracy_level 0); with the default int8 compute (level 4, ONNX Runtime's fast CPU kernels) the
+    # activations are rounded to int8 per block too, which moves the logits a little
     ids = np.array([[1, 504, 3458, 282, 4195, 314, 253, 1345, 30, 378, 12162, 302, 2994, 28, 6417, 29]], np.int64)
     with torch.no_grad():
         want = handle.torch_model()(input_ids=torch.from_numpy(ids)).logits.numpy()
-    sess = ort.InferenceSession(str(tmp_path / "q_onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
-    got = sess.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0]
-    max_diff = float(np.abs(got - want).max())
-    assert max_diff < 1e-2 and (got.argmax(-1) == want.argmax(-1)).mean() == 1.0
+    hf_to_onnx(handle, tmp_path / "q_exact", accuracy_level=0)
+    for folder, tolerance, agree in (("q_exact", 1e-2, 1.0), ("q_onnx", 2.5, 0.9)):
+        sess = ort.InferenceSession(str(tmp_path / folder / "model.onnx"), providers=["CPUExecutionProvider"])
+        got = sess.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0]
+        max_diff = float(np.abs(got - want).max())
+        top1 = float((got.argmax(-1) == want.argmax(-1)).mean())
+        assert max_diff < tolerance and top1 >= agree, (folder, max_diff, top1)
 
     # the tied 49152 x 576 table quantized too: one table for the Gather and the LM head
     res = bitpress.run({"input": str(smollm2_hf), "output": str(tmp_path / "qt"),

@@ -20,6 +20,8 @@ import onnx
 import pytest
 
 import bitpress
+from bitpress.onnx.correction import find_corrections
+from bitpress.onnx.kernels import graph_paths
 
 pytestmark = [pytest.mark.slow, pytest.mark.realmodels]
 
@@ -257,6 +259,8 @@ CASES = {
     # the calibrated chain on a builder export: sequential GPTQ on text, the tied head GPTQ'd once
     "builder-gptq-int4": Case("builder", "gptq", "int4", {}, "quantized", data={"samples": 8, "seq_len": 64}),
 }
+#: algorithms whose blocks have float zero points (written with a block-sum correction each)
+FLOAT_ZERO_POINTS = {"kquant", "hqq"}
 
 
 @dataclass
@@ -337,10 +341,18 @@ def test_quantized_package_files(
     assert q.result.output == q.out and q.result.output_bytes < q.result.input_bytes / 2.5
     check_package(q.src, q.out, sha256_tree)
     quantized_head = q.case.tie_state == "quantized"
+    graph = load_graph(q.out / "model.onnx").graph
     ops = op_counts(q.out / "model.onnx")
     # both exporters write 150 MatMuls for the 30 layers, plus the LM head: quantized with the tie
     assert ops.get("MatMulNBits", 0) == 150 + quantized_head
-    assert ops.get("MatMul", 0) == (not quantized_head)
+    # float zero points (kquant) become integer ones plus a block-sum correction (two small MatMuls reading
+    # initializers E and C): every quantized node on a fast kernel, no weight MatMul left but the float head's.
+    # The tied head shares its table with GatherBlockQuantized, which takes integer zero points only: no correction
+    fixes = find_corrections(graph)
+    assert len(fixes) == (150 if q.case.algorithm in FLOAT_ZERO_POINTS else 0)
+    assert graph_paths(graph).slow() == {}
+    corrections = {f.e for f in fixes.values()} | {f.c for f in fixes.values()}
+    assert sum(n.op_type == "MatMul" and n.input[1] not in corrections for n in graph.node) == (not quantized_head)
     report = q.result.reports[0][2]
     assert report.quantized == 150 + quantized_head
 

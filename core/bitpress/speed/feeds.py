@@ -15,17 +15,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from bitpress.data import InputSpec, input_specs
+from bitpress.data import InputSpec, input_specs, vocab_size
 from bitpress.kvcache import cache_plan, is_past, kv_hints, read_genai_config
-
-
-def vocab_size(model: onnx.ModelProto) -> int:
-    """Rows of the first Gather table (the embedding), else 100."""
-    inits = {t.name: t for t in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type in ("Gather", "GatherBlockQuantized") and node.input[0] in inits:
-            return int(inits[node.input[0]].dims[0])
-    return 100
 
 
 def _shape(spec: InputSpec, seq: int) -> tuple[int, ...]:
