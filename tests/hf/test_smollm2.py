@@ -54,12 +54,13 @@ def test_smollm2_rtn_int4_export_runs_in_onnx_runtime(smollm2_hf: Path, lee_back
 
     # the export computes what the quantized PyTorch model computes: exactly with float32 compute
     # (accuracy_level 0); with the default int8 compute (level 4, ONNX Runtime's fast CPU kernels) the
-    # activations are rounded to int8 per block too, which moves the logits a little
+    # activations are rounded to int8 per block too, which moves the logits a little (measured: largest
+    # difference 1.41 and 15 of 16 top-1 equal with AVX-512 VNNI; 1.37 and 15 of 16 under qemu -cpu Haswell)
     ids = np.array([[1, 504, 3458, 282, 4195, 314, 253, 1345, 30, 378, 12162, 302, 2994, 28, 6417, 29]], np.int64)
     with torch.no_grad():
         want = handle.torch_model()(input_ids=torch.from_numpy(ids)).logits.numpy()
     hf_to_onnx(handle, tmp_path / "q_exact", accuracy_level=0)
-    for folder, tolerance, agree in (("q_exact", 1e-2, 1.0), ("q_onnx", 2.5, 0.9)):
+    for folder, tolerance, agree in (("q_exact", 1e-2, 1.0), ("q_onnx", 2.5, 0.85)):
         sess = ort.InferenceSession(str(tmp_path / folder / "model.onnx"), providers=["CPUExecutionProvider"])
         got = sess.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0]
         max_diff = float(np.abs(got - want).max())
