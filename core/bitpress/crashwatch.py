@@ -35,6 +35,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
+from bitpress.interrupts import deferred
+
 log = logging.getLogger(__name__)
 
 #: the watcher (standard library only: it starts in milliseconds with ``-I -S``); argv[1] is the host's pid
@@ -218,8 +220,11 @@ def _clean(text: str) -> str:
 
 
 def _send(key: int, op: str, value: str | None, table: dict[int, str]) -> None:
-    """Record the line in the host's own table (replayed to a watcher started later) and send it."""
-    with _State.lock:
+    """Record the line in the host's own table (replayed to a watcher started later) and send it.
+
+    A signal (Ctrl-C) waits until the line is sent: raised inside, it could leave a started watcher unknown to
+    :func:`disable`, which would then report the interrupted run as a crash."""
+    with deferred(), _State.lock:
         if value is None:
             table.pop(key, None)
         else:

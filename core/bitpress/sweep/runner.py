@@ -307,7 +307,7 @@ def _shared_files(cfg: SweepConfig, out: Path) -> list[Path]:
 def _run(cfg: SweepConfig, todo: list[Any], out: Path, spec: Any, jobs: int | None, store: ResultStore,
          state: _State, progress: Callable[..., Any] | None) -> None:
     from bitpress.executors import open_executor
-    from bitpress.interrupts import note_written
+    from bitpress.interrupts import deferred, note_written
     from bitpress.sweep.job import Children, run_in_subprocess, run_job
 
     want = jobs or cfg.parallel or _default_jobs(len(todo))
@@ -345,9 +345,11 @@ def _run(cfg: SweepConfig, todo: list[Any], out: Path, spec: Any, jobs: int | No
                         row = _row(fut, job, cfg, out)
                         if row["status"] == "stopped":
                             continue
-                        store.append(row)
-                        state.add(row)
-                        note_written(_Recorded(store.path, state.ran))  # what an interruption says was kept
+                        # the row, and what an interruption says was kept, together: a signal waits for both
+                        with deferred():
+                            store.append(row)
+                            state.add(row)
+                            note_written(_Recorded(store.path, state.ran))
                         state.write_report()
                         if row["status"] == "ok":
                             log.info("job %s (%s, %s): ok in %.1f s", job.id, job.label(), Path(job.model).name,
