@@ -19,6 +19,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+# @pytest.mark.own_process (tests whose libraries may end the process: Ray's driver)
+from own_process import pytest_configure, pytest_runtest_logreport, pytest_runtest_protocol  # noqa: F401
+
 from bitpress import synthetic
 from bitpress.plugins import Registry
 

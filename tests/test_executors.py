@@ -80,6 +80,9 @@ def test_threads_executor_runs_and_drops_queued_work() -> None:
 
 # -- Ray ---------------------------------------------------------------------------------------------------
 ray = pytest.importorskip("ray")
+# Ray's driver ends its process (exit status 1, not a word) when it loses its runtime: each test that
+# starts or joins one runs in a process of its own, which a failure then names (tests/own_process.py)
+own_process = pytest.mark.own_process
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,10 @@ def ray_runtime() -> Any:
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers run this module's solvers
-    tmp = tempfile.mkdtemp(prefix="bp-ray-")
+    from own_process import scratch
+
+    # in the test's own process (below): the scratch folder, whose logs a failure shows
+    tmp = tempfile.mkdtemp(prefix="bp-ray-", dir=scratch())
     from bitpress.executors import _loopback
 
     with _loopback(True):  # as the executor starts its own: this machine only
@@ -113,6 +119,7 @@ def _quantize(src: Path, out: Path, algorithm: str, options: dict[str, Any], exe
 
 @pytest.mark.parametrize(("algorithm", "options"), ALGORITHMS, ids=[a for a, _ in ALGORITHMS])
 @pytest.mark.parametrize("fixture", ["tiny_decoder_external", "tiny_decoder"])
+@own_process
 def test_ray_output_is_byte_identical_to_threads(ray_runtime: Any, request: pytest.FixtureRequest, fixture: str,
                                                  algorithm: str, options: dict[str, Any], tmp_path: Path,
                                                  sha256_tree: Any) -> None:
@@ -123,6 +130,7 @@ def test_ray_output_is_byte_identical_to_threads(ray_runtime: Any, request: pyte
     assert sha256_tree(on_ray) == sha256_tree(threads)
 
 
+@own_process
 def test_ray_tasks_read_the_weight_themselves(ray_runtime: Any, tiny_decoder_external: Path) -> None:
     """A task carries a file range, not the array: its arguments are a few hundred bytes."""
     import pickle
@@ -175,6 +183,7 @@ def _run_with_solver(src: Path, out: Path, solver: Any, executor: Any) -> None:
         model.close()
 
 
+@own_process
 def test_a_killed_worker_is_retried(ray_runtime: Any, tiny_decoder_external: Path, tmp_path: Path,
                                     sha256_tree: Any) -> None:
     from bitpress_rtn.solver import rtn_solver
@@ -187,6 +196,7 @@ def test_a_killed_worker_is_retried(ray_runtime: Any, tiny_decoder_external: Pat
     assert sha256_tree(tmp_path / "ray") == sha256_tree(tmp_path / "threads")
 
 
+@own_process
 def test_a_task_lost_for_good_fails_the_run_cleanly(ray_runtime: Any, tiny_decoder_external: Path,
                                                     tmp_path: Path) -> None:
     """No retries left: one bitpress error, and the workflow leaves no output."""
@@ -197,6 +207,7 @@ def test_a_task_lost_for_good_fails_the_run_cleanly(ray_runtime: Any, tiny_decod
     assert not (tmp_path / "out" / "model.onnx").exists()
 
 
+@own_process
 def test_a_task_error_is_the_error_the_solver_raised(ray_runtime: Any, tiny_decoder_external: Path,
                                                      tmp_path: Path) -> None:
     import onnx
@@ -215,12 +226,14 @@ def test_a_task_error_is_the_error_the_solver_raised(ray_runtime: Any, tiny_deco
     assert not (tmp_path / "out").exists()
 
 
+@own_process
 def test_check_shared_passes_on_one_machine(ray_runtime: Any, tiny_decoder_external: Path) -> None:
     with open_executor("ray", jobs=2) as ex:
         assert ex.workers == 2
         ex.check_shared([tiny_decoder_external, tiny_decoder_external.with_suffix(".onnx.data")])
 
 
+@own_process
 def test_cli_quantize_on_a_private_ray_runtime_leaves_nothing(tiny_decoder_external: Path, tmp_path: Path,
                                                               run_cli: Any, sha256_tree: Any) -> None:
     """Without a runtime, the executor starts one for the run (127.0.0.1) and removes its folder after."""
