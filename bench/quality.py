@@ -114,6 +114,10 @@ METHODS = [
     Method("rtn", "int8", {"accuracy_level": 0}, "rtn int8 level 0"),
     Method("rtn", "int8", {"block_size": 128}, "rtn int8 b128"),
     Method("kquant", "int4", {"accuracy_level": 0}, "kquant int4 level 0"),
+    # the speed-first form of the float-zero-point solvers (docs/speed.md): integer zero points, solved for, no
+    # block-sum correction; what it costs against their defaults
+    Method("kquant", "int4", {"float_zero_points": False}, "kquant int4 int zp"),
+    Method("hqq", "int4", {"float_zero_points": False}, "hqq int4 int zp"),
 ]
 #: (row, the same weights at accuracy_level 0): what int8 activations cost
 LEVELS = [("rtn int8", "rtn int8 level 0"), ("kquant int4", "kquant int4 level 0")]
