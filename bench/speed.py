@@ -585,6 +585,18 @@ def _prompt_text(prompts: dict[int, float | None]) -> str:
     return ", prompt " + ", ".join(parts) + " fp32 (target >= 1x)" if parts else ""
 
 
+def zero_point_costs(results: dict[str, list[Row]]) -> str:
+    """``smollm2 kquant +6.4% -> +24.9%, ...``: each float-zero-point solver's change against its integer form."""
+    parts = []
+    for family, rows in results.items():
+        by_key = {r.key: r for r in rows if r.status == "ok" and r.change is not None}
+        for algo in ("kquant", "hqq"):
+            f, i = by_key.get(f"{algo}-int4"), by_key.get(f"{algo}-int4-int")
+            if f is not None and i is not None:
+                parts.append(f"{family} {algo} {100 * f.change:+.1f}% -> {100 * i.change:+.1f}%")
+    return ", ".join(parts) or "not measured"
+
+
 def render(meta: dict[str, Any], results: dict[str, list[Row]], kernel_rows: list[dict[str, Any]]) -> str:
     threads = meta["threads"]
     m = meta["speed"][next(iter(meta["speed"]))]["machine"] if meta["speed"] else {}
@@ -676,10 +688,11 @@ def render(meta: dict[str, Any], results: dict[str, list[Row]], kernel_rows: lis
               "stores 6.1 bits per weight against 5), decoding is bound by the bytes read, and the correction that "
               "keeps the exact offsets on the packed kernels adds two small MatMuls and an Add per weight. Their "
               "*float_zero_points=false* rows (integer zero points, solved for: no correction) run at the "
-              "builder's speed and give up part of the accuracy; on these two models, whose float weights are "
-              "llama.cpp's float-offset blocks, most of it. (ONNX Runtime's int8 kernels apply integer zero points "
-              "through the activations' block sums, a scheme float offsets would fit as well; but it prepacks "
-              "only absent or uint8 zero points.)",
+              "builder's speed and give up part of the accuracy, how much depends on the model: perplexity change "
+              f"with float, then integer zero points: {zero_point_costs(results)}. SmolLM2's float weights are "
+              "llama.cpp's Q4_1 blocks, which a float offset finds again exactly ([quality.md](quality.md)). "
+              "(ONNX Runtime's int8 kernels apply integer zero points through the activations' block sums, a "
+              "scheme float offsets would fit as well; but it prepacks only absent or uint8 zero points.)",
               "- **q4_k_m and the GGUF imports** also hold 8-bit tensors (the tied embedding / LM head table, "
               "attn_v and ffn_down of some layers): more bytes per token than an all-int4 model.",
               "- **Prompt at 2 threads**: at a prompt of 128 tokens on these small matrices (hidden 576 / 640) "
