@@ -25,10 +25,6 @@ KNOWN: set[tuple[str, ...]] = {
      "bitpress.publish", "bitpress.speed", "bitpress.speed.report", "bitpress.speed.runner", "bitpress.sweep",
      "bitpress.sweep.config", "bitpress.sweep.job", "bitpress.sweep.report", "bitpress.sweep.runner", "bitpress_rtn",
      "bitpress_rtn.bnb4_writer", "bitpress_rtn.hf_passes", "bitpress_rtn.passes", "bitpress_rtn.solver"),
-    ("bitpress.builtin", "bitpress.plugins"),
-    ("bitpress.data", "bitpress.kvcache"),
-    ("bitpress.hf", "bitpress.hf.export", "bitpress.models.hf_model"),
-    ("bitpress.hf.genai_export", "bitpress.hf.mobius_export"),
 }
 
 

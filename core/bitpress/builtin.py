@@ -3,7 +3,7 @@ and the host's own passes (``qdq_to_nbits``), listed under plugin ``bitpress``.
 
 Registered before any plugin and marked ``trylast``, so a plugin's implementation of the same
 hook is consulted first and these are the fallback. A pass's ``run`` is plugin code: it runs
-inside :class:`bitpress.plugins.guard`, so whatever it raises names its plugin.
+inside :class:`bitpress.plugin_faults.guard`, so whatever it raises names its plugin.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from bitpress.errors import ModelLoadError
+from bitpress.hf.model import HfModel, is_hf_folder
 from bitpress.hookspecs import hookimpl
 from bitpress.models.base import ModelHandle
-from bitpress.models.hf_model import HfModel, is_hf_folder
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.models.package import OnnxPackage
 from bitpress.passes import Pass, PassContext
+from bitpress.plugin_faults import guard
 
 
 @hookimpl
@@ -46,8 +47,6 @@ def bitpress_load_model(source: Path, options: dict[str, Any]) -> ModelHandle | 
 
 @hookimpl(trylast=True)
 def bitpress_run_pass(pass_: Pass, model: ModelHandle, context: PassContext) -> ModelHandle:
-    from bitpress.plugins import guard
-
     # the pass is its plugin's code: whatever it raises (SystemExit too) is that plugin's fault
     with guard(getattr(pass_, "plugin", "?"), f"in pass {pass_.name}"):
         return pass_.run(model, context)

@@ -30,19 +30,20 @@ import numpy as np
 import onnx
 
 from bitpress.errors import ConfigError, UsageError
+from bitpress.kvcache import (
+    CachePlan,
+    cache_plan,
+    find_tokenizer,
+    is_past,
+    kv_hints,
+    read_genai_config,
+    token_windows,
+    tokenize,
+    window_feeds,
+)
+from bitpress.onnx.inputs import InputSpec, input_specs, vocab_size
 
 log = logging.getLogger(__name__)
-
-_NP = {
-    onnx.TensorProto.FLOAT: np.float32,
-    onnx.TensorProto.FLOAT16: np.float16,
-    onnx.TensorProto.DOUBLE: np.float64,
-    onnx.TensorProto.INT64: np.int64,
-    onnx.TensorProto.INT32: np.int32,
-    onnx.TensorProto.BOOL: np.bool_,
-    onnx.TensorProto.UINT8: np.uint8,
-    onnx.TensorProto.INT8: np.int8,
-}
 
 
 @dataclass
@@ -72,35 +73,6 @@ class DataConfig:
         raise ConfigError(f"data must be a source string or a mapping, got {value!r}")
 
 
-@dataclass(frozen=True)
-class InputSpec:
-    name: str
-    dtype: type
-    shape: tuple[int | str | None, ...]
-
-
-def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
-    inits = {t.name for t in model.graph.initializer}
-    specs = []
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        tt = vi.type.tensor_type
-        dtype = _NP.get(tt.elem_type, np.float32)
-        shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
-        specs.append(InputSpec(vi.name, dtype, shape))
-    return specs
-
-
-def vocab_size(model: onnx.ModelProto) -> int:
-    """Rows of the first Gather table read by the ids (the embedding), else 100."""
-    inits = {t.name: t for t in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type in ("Gather", "GatherBlockQuantized") and node.input[0] in inits:
-            return int(inits[node.input[0]].dims[0])
-    return 100
-
-
 def iter_feeds(
     model: onnx.ModelProto, config: DataConfig, model_dir: Path | None = None, *, root: Path | None = None
 ) -> Iterator[dict[str, np.ndarray]]:
@@ -110,8 +82,6 @@ def iter_feeds(
     package folder holding it (an ONNX Runtime GenAI folder whose model is in a sub-folder), where
     those files are looked for next. Nothing above ``root`` (or ``model_dir``) is read.
     """
-    from bitpress.kvcache import CachePlan, cache_plan, is_past, kv_hints, read_genai_config
-
     src = config.source
     specs = input_specs(model)
     plan = CachePlan()
@@ -198,8 +168,6 @@ def _text(
     plan: Any,
 ) -> Iterator[dict[str, np.ndarray]]:
     """Windows of ``seq_len`` tokens (BOS first when the tokenizer asks), the cache as ``plan`` fills it."""
-    from bitpress.kvcache import find_tokenizer, token_windows, tokenize, window_feeds
-
     if model_dir is None and not config.tokenizer:
         raise UsageError("text calibration data needs a tokenizer: pass --tokenizer / data.tokenizer "
                          "(a tokenizer.json or its folder)")

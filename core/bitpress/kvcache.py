@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from bitpress.data import InputSpec, input_specs
 from bitpress.errors import BitpressError, ModelLoadError, UsageError
+from bitpress.onnx.inputs import InputSpec, input_specs
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from bitpress import crashwatch, hookspecs, plugin_probe
 from bitpress.errors import PassNotFoundError, PassUnavailableError, PluginError
 from bitpress.models.base import ModelHandle
 from bitpress.passes import Pass, check_pass_class
+from bitpress.plugin_faults import describe_fault, guard, passes_through, plugin_fault  # noqa: F401 (names kept here too)
 
 log = logging.getLogger(__name__)
 
@@ -82,54 +83,6 @@ def _not_found(message: str, key: str) -> PassNotFoundError:
 
 
 # -- plugin faults -------------------------------------------------------------------------------
-def passes_through(exc: BaseException) -> bool:
-    """Whether a guard lets ``exc`` through unchanged instead of turning it into a plugin fault.
-
-    Interrupts do (``KeyboardInterrupt``: Ctrl-C, and ``bitpress.errors.Interrupted``, raised
-    for the signals the CLI handles), and so do the host's own errors (any class of
-    :mod:`bitpress.errors` along its MRO: a :class:`BitpressError` a plugin raises on purpose,
-    such as ``ModelLoadError``, is already a clean error). Everything else, ``SystemExit``,
-    ``GeneratorExit`` and custom ``BaseException`` subclasses included, is a plugin fault.
-    """
-    if isinstance(exc, KeyboardInterrupt):
-        return True
-    return any(klass.__module__ == "bitpress.errors" for klass in type(exc).__mro__)
-
-
-def describe_fault(exc: BaseException) -> str:
-    """What a plugin did, in words: ``it raised SystemExit(3) (sys.exit)``, ``RuntimeError: boom``."""
-    if isinstance(exc, SystemExit):
-        return f"it raised SystemExit({exc.code!r}) (sys.exit); a plugin must not end the program"
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def plugin_fault(plugin: str, action: str, exc: BaseException) -> PluginError:
-    """The :class:`PluginError` for ``exc``, raised by plugin ``plugin`` while doing ``action``."""
-    error = PluginError(f"plugin {plugin} failed {action}: {describe_fault(exc)}")
-    error.plugin = plugin  # type: ignore[attr-defined]
-    error.action = action  # type: ignore[attr-defined]
-    return error
-
-
-class guard:  # lower case: used like a function, ``with guard(plugin, "in pass x"):``
-    """Turn whatever plugin code raises in the block into a :class:`PluginError` (see :func:`passes_through`)."""
-
-    def __init__(self, plugin: str, action: str) -> None:
-        self.plugin, self.action = plugin, action
-        self._watch = crashwatch.plugin_code(plugin, action)  # a native crash in the block names the plugin
-
-    def __enter__(self) -> guard:
-        self._watch.__enter__()
-        return self
-
-    def __exit__(self, tp: Any, exc: BaseException | None, tb: Any) -> bool:
-        self._watch.__exit__(None, None, None)
-        if exc is None or passes_through(exc):
-            return False
-        raise plugin_fault(self.plugin, self.action, exc) from exc
-
-
 def _hook_action(hook: str, argnames: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     values = {**dict(zip(argnames, args, strict=False)), **kwargs}
     if hook == "bitpress_load_model":

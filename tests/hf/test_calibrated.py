@@ -18,8 +18,8 @@ from bitpress.hf import hf_to_onnx
 from bitpress.hf import quantize as hfq
 from bitpress.hf.calibrated import Method, quantize_calibrated
 from bitpress.hf.layer_inputs import Batch, calibration_batches
+from bitpress.hf.model import HfModel
 from bitpress.hf.qtensor import QuantTensor
-from bitpress.models.hf_model import HfModel
 from bitpress.quant.calibrated import LayerStats, Target
 from bitpress.quant.solver import BlockSpec, QuantizedBlocks
 from bitpress_awq.hf_passes import AwqHfPass

@@ -15,8 +15,8 @@ from safetensors import safe_open
 import bitpress
 from bitpress.errors import ModelLoadError, UsageError
 from bitpress.hf import checkpoint
+from bitpress.hf.model import HfModel
 from bitpress.hf.qtensor import QuantTensor
-from bitpress.models.hf_model import HfModel
 
 
 def out_folder(result: Any, src: Path) -> Path:

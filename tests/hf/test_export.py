@@ -17,8 +17,8 @@ from onnx import numpy_helper
 import bitpress
 from bitpress.errors import QuantizationError
 from bitpress.hf import hf_to_onnx
+from bitpress.hf.model import HfModel
 from bitpress.hf.qtensor import QuantTensor
-from bitpress.models.hf_model import HfModel
 from bitpress.onnx.kernels import graph_paths
 
 #: measured: ~2e-7 (float32 dequantization on both sides); the bound leaves room for kernel order

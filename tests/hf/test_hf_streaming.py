@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 import bitpress
 from bitpress.errors import OutputError, QuantizationError
 from bitpress.hf import checkpoint, safetensors_writer, stream_checkpoint, streaming
+from bitpress.hf.model import HfModel
 from bitpress.hf.safetensors_writer import Entry, SafetensorsWriter, plan_shards
-from bitpress.models.hf_model import HfModel
 from bitpress.passes import PassContext
 
 

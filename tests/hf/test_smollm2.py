@@ -19,7 +19,7 @@ import torch
 
 import bitpress
 from bitpress.hf import hf_to_onnx
-from bitpress.models.hf_model import HfModel
+from bitpress.hf.model import HfModel
 
 pytestmark = [pytest.mark.slow, pytest.mark.realmodels]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 
 def hf_to_onnx(model: Any, output: str | Path, **kwargs: Any) -> list[Path]:
-    """Export a Hugging Face folder or :class:`~bitpress.models.hf_model.HfModel` to an ONNX folder.
+    """Export a Hugging Face folder or :class:`~bitpress.hf.model.HfModel` to an ONNX folder.
 
     See :func:`bitpress.hf.export.hf_to_onnx`.
     """

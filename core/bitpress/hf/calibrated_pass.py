@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from bitpress.errors import QuantizationError, UsageError
+from bitpress.hf.model import HfModel
 from bitpress.hf.passes import HfQuantPass
 from bitpress.hf.rules import HfQuantOptions
-from bitpress.models.hf_model import HfModel
 from bitpress.options import option
 from bitpress.passes import PassContext
 

@@ -39,8 +39,8 @@ import onnx
 from onnx import numpy_helper
 
 from bitpress.errors import OutputError, QuantizationError, ValidationError, summarize_names, summarize_problems
+from bitpress.hf.model import HfModel
 from bitpress.models.base import ModelHandle
-from bitpress.models.hf_model import HfModel
 from bitpress.models.onnx_model import OnnxModel
 
 if TYPE_CHECKING:

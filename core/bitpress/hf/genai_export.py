@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from bitpress.errors import ExportError, ValidationError
+from bitpress.hf.genai_extra import GENAI_INSTALL_HINT
 from bitpress.models.base import ModelHandle
 
 if TYPE_CHECKING:
-    from bitpress.models.hf_model import HfModel
+    from bitpress.hf.model import HfModel
 
 log = logging.getLogger(__name__)
 
-GENAI_INSTALL_HINT = 'pip install "torch==2.13.0" "bitpress[genai]"'
 #: --dtype -> the builder's precision, for float checkpoints
 FLOAT_PRECISION = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}
 EPS = ("cpu", "cuda", "dml", "webgpu", "NvTensorRtRtx")  # the builder's -e choices (0.18)

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from bitpress.errors import ExportError
+from bitpress.hf.genai_extra import GENAI_INSTALL_HINT
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,6 @@ CPU_RUNNABLE = ("default", "cpu")
 
 def mobius_missing() -> str | None:
     """Why mobius cannot run here (None when it can)."""
-    from bitpress.hf.genai_export import GENAI_INSTALL_HINT
-
     needed = ("mobius", "onnxruntime_genai", "transformers", "torch")
     missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:

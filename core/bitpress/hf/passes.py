@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 from bitpress.errors import QuantizationError
+from bitpress.hf.model import HfModel
 from bitpress.hf.rules import HfQuantOptions
-from bitpress.models.hf_model import HfModel
 from bitpress.onnx.kernels import TargetOptions
 from bitpress.options import option
 from bitpress.passes import Pass, PassContext

@@ -39,6 +39,7 @@ from torch import nn
 
 from bitpress.executors import ExecutorSpec, open_executor
 from bitpress.hf import checkpoint, quantize, safetensors_writer
+from bitpress.hf.model import HfModel
 from bitpress.hf.qtensor import DTYPES, QuantSpec, dtype_name, pack_bits
 from bitpress.hf.rules import Rules, Settings
 from bitpress.hf.safetensors_writer import (
@@ -51,7 +52,6 @@ from bitpress.hf.safetensors_writer import (
 from bitpress.hf.stream_checkpoint import SAFETENSORS_CODES, CheckpointFiles, NotStreamable, meta_model
 from bitpress.interrupts import cancel_pending
 from bitpress.models import hf_files
-from bitpress.models.hf_model import HfModel
 from bitpress.onnx.weightonly import Report
 from bitpress.quant.solver import BlockSolver
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from bitpress.data import InputSpec, input_specs, vocab_size
 from bitpress.kvcache import cache_plan, is_past, kv_hints, read_genai_config
+from bitpress.onnx.inputs import InputSpec, input_specs, vocab_size
 
 
 def _shape(spec: InputSpec, seq: int) -> tuple[int, ...]:
