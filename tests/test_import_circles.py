@@ -5,8 +5,8 @@ a circle is still one); imports under ``if TYPE_CHECKING:`` do not run and do no
 ``a.b.c`` also runs the packages ``a`` and ``a.b`` (their ``__init__``): that counts too, except for
 the importer's own packages (a package importing its own submodules is how packages work).
 
-The circles left are listed in ``KNOWN`` until the layout work removes them: a new circle fails
-the test, and so does a listed one that is gone (take it off the list).
+There are none: a module that needs something of a module importing it takes it from a lower one
+(see the README's layout), never by hiding the import in a function.
 """
 
 from __future__ import annotations
@@ -15,18 +15,6 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-#: circles not yet taken apart (each a sorted tuple of module names); the goal is an empty set
-KNOWN: set[tuple[str, ...]] = {
-    # the facade imported by what it fronts (api <-> evaluate <-> publish <-> sweep <-> speed), and the
-    # host importing a plugin (evaluate.weights -> bitpress_rtn.bnb4, whose package imports the host back)
-    ("bitpress", "bitpress.api", "bitpress.evaluate", "bitpress.evaluate.feeds", "bitpress.evaluate.metrics",
-     "bitpress.evaluate.report", "bitpress.evaluate.result", "bitpress.evaluate.runner", "bitpress.evaluate.weights",
-     "bitpress.publish", "bitpress.speed", "bitpress.speed.report", "bitpress.speed.runner", "bitpress.sweep",
-     "bitpress.sweep.config", "bitpress.sweep.job", "bitpress.sweep.report", "bitpress.sweep.runner", "bitpress_rtn",
-     "bitpress_rtn.bnb4_writer", "bitpress_rtn.hf_passes", "bitpress_rtn.passes", "bitpress_rtn.solver"),
-}
-
 
 def repo_roots() -> list[Path]:
     """The host's package and every in-repo plugin's."""
@@ -166,9 +154,6 @@ def test_function_level_package_and_relative_imports_count(tmp_path: Path) -> No
     assert circles(graph) == {("pk.a", "pk.b"), ("pk.d", "pk.sub.e")}
 
 
-def test_no_new_import_circles() -> None:
+def test_no_import_circles() -> None:
     found = circles(import_graph(repo_roots()))
-    new = found - KNOWN
-    gone = KNOWN - found
-    assert not new, "new import circle(s): " + "; ".join(" <-> ".join(c) for c in sorted(new))
-    assert not gone, "circle(s) no longer there, take them off KNOWN: " + "; ".join(" <-> ".join(c) for c in gone)
+    assert not found, "import circle(s): " + "; ".join(" <-> ".join(c) for c in sorted(found))

@@ -11,6 +11,8 @@ import pytest
 MOVED = [
     # (old module, new module, names)
     ("bitpress.models.hf_model", "bitpress.hf.model", ("HfModel", "is_hf_folder")),
+    ("bitpress_rtn.bnb4", "bitpress.onnx.bnb4",
+     ("BNB4_QUANT_TYPES", "NF4_CODEBOOK", "dequantize_bnb4", "quantize_bnb4")),
 ]
 
 

@@ -8,12 +8,13 @@ from typing import Any
 from bitpress.data import DataConfig
 from bitpress.errors import OutputError
 from bitpress.evaluate import EvalResult  # also makes `bitpress.evaluate(...)` callable after `import bitpress`
+from bitpress.evaluate.runner import evaluate
 from bitpress.models.base import ModelHandle
 from bitpress.onnx.save import SaveOptions
 from bitpress.options import as_dict
 from bitpress.passes import Pass
 from bitpress.plugins import Registry, canonical_precision, get_registry
-from bitpress.sweep.runner import SweepResult  # also makes `bitpress.sweep(...)` callable after `import bitpress`
+from bitpress.sweep.runner import SweepResult, sweep  # also makes `bitpress.sweep(...)` callable
 from bitpress.workflow import (
     PassStep,
     RunResult,
@@ -22,6 +23,7 @@ from bitpress.workflow import (
     check_jobs,
     input_kind,
     load_config,
+    run,
     run_workflow,
 )
 
@@ -227,119 +229,23 @@ def _select(registry: Registry, algorithm: str, precision: str | None, path: Pat
     return registry.select(algorithm, precision, input_kind(registry, path))
 
 
-def run(
-    config: dict[str, Any] | str | Path,
-    *,
-    overwrite: bool | None = None,
-    jobs: int | None = None,
-    external_data: bool | None = None,
-    max_shard_size: int | None = None,
-    check: bool | None = None,
-    data: Any = None,
-    env_timeout: float | None = None,
-    progress: Any = None,
-    registry: Registry | None = None,
-    isolate: bool = False,
-    executor: Any = None,
-) -> RunResult:
-    """Run a workflow config (a mapping, or a JSON/YAML file).
-
-    The keyword arguments are the CLI's ``run`` flags and override the config's settings when
-    given (``None``: as the config says): ``overwrite`` (``--overwrite``), ``jobs``,
-    ``external_data`` (True ``--external-data``, False ``--single-file``), ``max_shard_size``
-    (bytes), ``check=False`` (``--no-check``), ``data``, ``env_timeout``; ``isolate=True``
-    (``--isolate``) runs every pass in a worker process, as ``isolate: true`` does for one pass;
-    ``executor`` (``--executor``) replaces the config's ``executor:``.
-    """
-    config = dict(config) if isinstance(config, dict) else load_config(Path(config))
-    if overwrite is not None:
-        config["overwrite"] = overwrite
-    if jobs:
-        config["jobs"] = jobs
-    given = {key: value for key, value in (("external_data", external_data), ("max_shard_size", max_shard_size),
-                                            ("check", check)) if value is not None}
-    save = config.get("save")
-    if given and (save is None or isinstance(save, dict)):  # a save of the wrong shape: build_workflow says so
-        config["save"] = {**(save or {}), **given}
-    if data is not None:
-        config["data"] = data
-    if env_timeout is not None:
-        config["env_timeout"] = env_timeout
-    if executor is not None:
-        config["executor"] = executor.to_json() if hasattr(executor, "to_json") else executor
-    wf = build_workflow(config, registry)
-    if isolate:
-        wf.isolate = True
-    return run_workflow(wf, registry, progress=progress)
-
-
-def evaluate(
-    quantized: str | Path,
-    reference: str | Path,
-    *,
-    data: Any = None,
-    samples: int = 8,
-    seq_len: int = 128,
-    batch: int = 1,
-    seed: int = 0,
-    text: str | Path | None = None,
-    tokenizer: str | Path | None = None,
-    max_windows: int | None = None,
-    jobs: int | None = None,
-    weights: bool = True,
-    progress: Any = None,
-    threads: int | None = None,
-    speed: bool = True,
-    speed_runs: int = 3,
-) -> EvalResult:
-    """Compare ``quantized`` with its float ``reference`` (.onnx files or GenAI folders) in ONNX Runtime.
-
-    ``data``: the inputs of the output comparison (``None``: random; a .npz file/folder; a .txt
-    with a tokenizer; a :class:`bitpress.data.DataConfig` or mapping), ``samples`` runs of
-    ``batch`` x ``seq_len``. ``text``: a text file for the perplexity of both models (windows of
-    ``seq_len`` tokens, at most ``max_windows``; tokenizer.json beside a model or ``tokenizer``);
-    without ``data`` the outputs are compared on those windows too. ``weights``: also the SQNR of
-    every quantized weight against the reference's. ``jobs``: ONNX Runtime intra-op threads
-    (default 1; ``threads`` is its old name, still accepted). ``speed``: also time both models
-    alternately (``speed_runs`` rounds after a warm-up; GenAI packages by ``onnxruntime_genai``: prompt
-    and decode tokens/s; .onnx files by a session: one token and a prompt-sized batch), see
-    :func:`bitpress.speed.compare`. ``EvalResult.to_json()`` / ``write_html(path)`` give the reports.
-    """
-    from bitpress.errors import UsageError
-    from bitpress.evaluate.runner import run_evaluation
-
-    if jobs is not None and threads is not None and jobs != threads:
-        raise UsageError(f"give jobs= or its old name threads=, not both (jobs={jobs}, threads={threads})")
-    n = jobs if jobs is not None else (threads if threads is not None else 1)
-    return run_evaluation(
-        quantized, reference, data=data, samples=samples, seq_len=seq_len, batch=batch, seed=seed, text=text,
-        tokenizer=tokenizer, max_windows=max_windows, threads=n, weights=weights, progress=progress,
-        speed=speed, speed_runs=speed_runs,
-    )
-
-
-def sweep(
-    config: dict[str, Any] | str | Path,
-    *,
-    output: str | Path | None = None,
-    executor: Any = None,
-    address: str | None = None,
-    jobs: int | None = None,
-    fresh: bool = False,
-    progress: Any = None,
-    registry: Registry | None = None,
-) -> SweepResult:
-    """Run a sweep config (a mapping, or a YAML / JSON file): every model x pass x grid point.
-
-    The CLI's ``sweep`` flags, by name: ``output`` (``-o``, over the config's ``output``),
-    ``executor`` (``--executor``: ``"threads"``, ``"ray"`` or ``{"type": "ray", "address": ...}``),
-    ``address`` (``--address``: a Ray cluster, implies ray), ``jobs`` (``--jobs``: jobs at once),
-    ``fresh`` (``--fresh``: rerun the jobs done before too). The whole config is validated first
-    (:class:`~bitpress.errors.ConfigError` and the other errors of a workflow config); a job that
-    fails is a row with its reason, not an error. Returns a :class:`~bitpress.sweep.runner.SweepResult`
-    (``rows``, ``pareto``, ``report``; ``to_json()``). See docs/sweep.md.
-    """
-    from bitpress.sweep.runner import sweep as run_sweep
-
-    return run_sweep(config, output=output, executor=executor, address=address, jobs=jobs, fresh=fresh,
-                     progress=progress, registry=registry)
+#: the Python API (``bitpress.quantize`` and the rest); the functions that live elsewhere are re-exported here
+__all__ = [
+    "EvalResult",
+    "PassStep",
+    "RunResult",
+    "SweepResult",
+    "Workflow",
+    "build_workflow",
+    "check_jobs",
+    "evaluate",
+    "input_kind",
+    "load_config",
+    "load_model",
+    "quantize",
+    "run",
+    "run_workflow",
+    "sweep",
+    "workflow_config",
+    "write_config",
+]

@@ -140,7 +140,7 @@ def plan_cells(config: dict[str, Any]) -> tuple[list[Cell], dict[str, dict[str, 
 
 def publish(config: dict[str, Any], *, overwrite: bool = False, progress: Any = None) -> PublishResult:
     """Build every cell of ``config`` (see the module's docstring)."""
-    from bitpress.api import run
+    from bitpress.workflow import run
 
     for key in ("input", "output"):
         if not isinstance(config.get(key), str | Path):
@@ -238,7 +238,7 @@ def check_eval(spec: Any) -> dict[str, Any]:
 
 def evaluate_cells(result: PublishResult, spec: dict[str, Any], *, progress: Any = None) -> None:
     """Evaluate every runnable ok cell against the reference cell; figures to its manifest and cell."""
-    from bitpress.api import evaluate
+    from bitpress.evaluate.runner import evaluate
     from bitpress.manifest import add_evaluation
 
     ev = check_eval(spec)

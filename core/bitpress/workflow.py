@@ -876,3 +876,49 @@ def _size_of(path: Path) -> int:
     if path.is_dir():
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     return path.stat().st_size + sum(p.stat().st_size for p in path.parent.glob(path.name + ".data*"))
+
+
+def run(
+    config: dict[str, Any] | str | Path,
+    *,
+    overwrite: bool | None = None,
+    jobs: int | None = None,
+    external_data: bool | None = None,
+    max_shard_size: int | None = None,
+    check: bool | None = None,
+    data: Any = None,
+    env_timeout: float | None = None,
+    progress: Any = None,
+    registry: Registry | None = None,
+    isolate: bool = False,
+    executor: Any = None,
+) -> RunResult:
+    """Run a workflow config (a mapping, or a JSON/YAML file).
+
+    The keyword arguments are the CLI's ``run`` flags and override the config's settings when
+    given (``None``: as the config says): ``overwrite`` (``--overwrite``), ``jobs``,
+    ``external_data`` (True ``--external-data``, False ``--single-file``), ``max_shard_size``
+    (bytes), ``check=False`` (``--no-check``), ``data``, ``env_timeout``; ``isolate=True``
+    (``--isolate``) runs every pass in a worker process, as ``isolate: true`` does for one pass;
+    ``executor`` (``--executor``) replaces the config's ``executor:``.
+    """
+    config = dict(config) if isinstance(config, dict) else load_config(Path(config))
+    if overwrite is not None:
+        config["overwrite"] = overwrite
+    if jobs:
+        config["jobs"] = jobs
+    given = {key: value for key, value in (("external_data", external_data), ("max_shard_size", max_shard_size),
+                                            ("check", check)) if value is not None}
+    save = config.get("save")
+    if given and (save is None or isinstance(save, dict)):  # a save of the wrong shape: build_workflow says so
+        config["save"] = {**(save or {}), **given}
+    if data is not None:
+        config["data"] = data
+    if env_timeout is not None:
+        config["env_timeout"] = env_timeout
+    if executor is not None:
+        config["executor"] = executor.to_json() if hasattr(executor, "to_json") else executor
+    wf = build_workflow(config, registry)
+    if isolate:
+        wf.isolate = True
+    return run_workflow(wf, registry, progress=progress)

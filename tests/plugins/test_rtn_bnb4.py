@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.capi._pybind_state import quantize_matmul_bnb4
 
-from bitpress_rtn.bnb4 import BNB4_QUANT_TYPES, dequantize_bnb4, quantize_bnb4
+from bitpress.onnx.bnb4 import BNB4_QUANT_TYPES, dequantize_bnb4, quantize_bnb4
 
 
 def _weight(k: int, n: int, dtype=np.float32) -> np.ndarray:

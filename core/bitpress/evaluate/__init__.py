@@ -5,7 +5,7 @@ reports, per output, max / mean absolute error, relative L2, cosine similarity a
 top-1 agreement; the perplexity of both models on a text; and the SQNR of every quantized
 weight against its float original (table, JSON, self-contained HTML report).
 
-``bitpress.evaluate(quantized, reference, ...)`` is :func:`bitpress.api.evaluate`: this package
+``bitpress.evaluate(quantized, reference, ...)`` is :func:`bitpress.evaluate.runner.evaluate`: this package
 is callable so that the package name and the function name can be the same.
 """
 
@@ -30,7 +30,7 @@ class _CallableModule(types.ModuleType):
     # function of that name in bitpress/__init__ would be replaced by it (or would hide the
     # package from `bitpress.evaluate.report`); a callable package serves both uses.
     def __call__(self, *args: Any, **kwargs: Any) -> EvalResult:
-        from bitpress.api import evaluate
+        from bitpress.evaluate.runner import evaluate
 
         return evaluate(*args, **kwargs)
 

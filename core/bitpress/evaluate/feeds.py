@@ -11,69 +11,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
-from bitpress import kvcache, paths
+from bitpress import kvcache
 from bitpress.data import DataConfig, input_specs, iter_feeds
-from bitpress.errors import ModelLoadError, UsageError
+from bitpress.errors import UsageError
 from bitpress.evaluate.result import EvalError, ModelMismatchError
-from bitpress.kvcache import GENAI_CONFIG, KVCacheError, TextTokens, is_past
+from bitpress.kvcache import KVCacheError, TextTokens, is_past
+from bitpress.models.package import ModelFile, resolve_model  # noqa: F401 (their home now: bench resolves too)
 
 log = logging.getLogger(__name__)
 
 
 # -- which file -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelFile:
-    """The .onnx file to run and the folder its companions (tokenizer, genai_config) live in."""
-
-    path: Path
-    root: Path
-    genai: dict[str, Any] | None
-
-    def kv_hints(self) -> dict[str, Any]:
-        """What genai_config.json tells about the cache (head count / size, sliding window)."""
-        return kvcache.kv_hints(self.genai)
-
-
-def resolve_model(path: str | Path, what: str) -> ModelFile:
-    """An .onnx file as given, or the decoder of a folder (genai_config.json, else its only .onnx)."""
-    path = Path(path)
-    if not path.exists():
-        raise ModelLoadError(f"{what} model not found: {path}")
-    if path.is_file():
-        return ModelFile(path, path.parent, _genai_config(path.parent))
-    genai = _genai_config(path)
-    decoder = ((genai or {}).get("model") or {}).get("decoder") or {}
-    if decoder.get("pipeline") and not decoder.get("filename"):
-        stages = ", ".join(str(next(iter(s), "?")) for s in decoder["pipeline"] if isinstance(s, dict))
-        raise UsageError(f"{path} is a decoder-pipeline package ({stages}): bitpress eval runs one decoder model; "
-                         "evaluate the package built without split_embedding (the same weights)")
-    filename = decoder.get("filename")
-    if filename:
-        file = path / paths.check_name(filename, f"{GENAI_CONFIG} model.decoder.filename")
-        if not file.is_file():
-            raise ModelLoadError(f"{path / GENAI_CONFIG} names the decoder {filename!r}, which is not in {path}")
-        paths.inside(path, file, "decoder")  # a link leaving the folder is refused
-        return ModelFile(file, path, genai)
-    found = [p for p, _ in paths.walk(path, "file in the model folder") if p.name.endswith(".onnx")]
-    if not found:
-        raise ModelLoadError(f"{path} is a folder without any .onnx model")
-    if len(found) > 1:
-        names = ", ".join(p.relative_to(path).as_posix() for p in found)
-        raise UsageError(f"{path} holds several models ({names}); pass the .onnx file to evaluate")
-    return ModelFile(found[0], path, genai)
-
-
-def _genai_config(folder: Path) -> dict[str, Any] | None:
-    return kvcache.read_genai_config(folder)
-
-
 # -- signature --------------------------------------------------------------------------------------
 def output_names(model: onnx.ModelProto) -> list[str]:
     return [o.name for o in model.graph.output]

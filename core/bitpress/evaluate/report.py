@@ -9,8 +9,11 @@ from __future__ import annotations
 import datetime as _dt
 import html
 import math
+from typing import TYPE_CHECKING
 
-from bitpress.evaluate.result import EvalResult, OutputMetrics, TensorError
+if TYPE_CHECKING:  # the result's classes, for hints only: result.write_html imports this module
+    from bitpress.evaluate.result import EvalResult, OutputMetrics, TensorError
+
 
 # -- text -------------------------------------------------------------------------------------------
 
@@ -39,7 +42,7 @@ def cache_summary(caches: list[OutputMetrics]) -> OutputMetrics:
     """The worst of many KV-cache outputs in one row: largest errors, lowest cosine."""
     elements = sum(o.elements for o in caches)
     mean = sum(o.mean_abs_error * o.elements for o in caches) / elements if elements else 0.0
-    return OutputMetrics(
+    return type(caches[0])(  # OutputMetrics (its class from the rows: see the imports)
         f"present.* ({len(caches)}, worst)", caches[0].shape, elements, max(o.max_abs_error for o in caches), mean,
         max(o.relative_l2 for o in caches), min(o.cosine for o in caches),
     )

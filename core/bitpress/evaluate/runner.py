@@ -30,12 +30,55 @@ from bitpress.evaluate.feeds import (
 from bitpress.evaluate.metrics import OutputAccumulator, looks_like_logits, next_token_nll
 from bitpress.evaluate.result import EvalError, EvalResult, ModelMismatchError, PerplexityResult
 from bitpress.evaluate.weights import tensor_errors
+from bitpress.kvcache import kv_hints
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.kernels import graph_paths
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[..., Any]
+
+
+def evaluate(
+    quantized: str | Path,
+    reference: str | Path,
+    *,
+    data: Any = None,
+    samples: int = 8,
+    seq_len: int = 128,
+    batch: int = 1,
+    seed: int = 0,
+    text: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    max_windows: int | None = None,
+    jobs: int | None = None,
+    weights: bool = True,
+    progress: Any = None,
+    threads: int | None = None,
+    speed: bool = True,
+    speed_runs: int = 3,
+) -> EvalResult:
+    """Compare ``quantized`` with its float ``reference`` (.onnx files or GenAI folders) in ONNX Runtime.
+
+    ``data``: the inputs of the output comparison (``None``: random; a .npz file/folder; a .txt
+    with a tokenizer; a :class:`bitpress.data.DataConfig` or mapping), ``samples`` runs of
+    ``batch`` x ``seq_len``. ``text``: a text file for the perplexity of both models (windows of
+    ``seq_len`` tokens, at most ``max_windows``; tokenizer.json beside a model or ``tokenizer``);
+    without ``data`` the outputs are compared on those windows too. ``weights``: also the SQNR of
+    every quantized weight against the reference's. ``jobs``: ONNX Runtime intra-op threads
+    (default 1; ``threads`` is its old name, still accepted). ``speed``: also time both models
+    alternately (``speed_runs`` rounds after a warm-up; GenAI packages by ``onnxruntime_genai``: prompt
+    and decode tokens/s; .onnx files by a session: one token and a prompt-sized batch), see
+    :func:`bitpress.speed.compare`. ``EvalResult.to_json()`` / ``write_html(path)`` give the reports.
+    """
+    if jobs is not None and threads is not None and jobs != threads:
+        raise UsageError(f"give jobs= or its old name threads=, not both (jobs={jobs}, threads={threads})")
+    n = jobs if jobs is not None else (threads if threads is not None else 1)
+    return run_evaluation(
+        quantized, reference, data=data, samples=samples, seq_len=seq_len, batch=batch, seed=seed, text=text,
+        tokenizer=tokenizer, max_windows=max_windows, threads=n, weights=weights, progress=progress,
+        speed=speed, speed_runs=speed_runs,
+    )
 
 
 def run_evaluation(
@@ -56,7 +99,7 @@ def run_evaluation(
     speed: bool = True,
     speed_runs: int = 3,
 ) -> EvalResult:
-    """See :func:`bitpress.api.evaluate`."""
+    """See :func:`evaluate`."""
     start = time.perf_counter()
     for name, value, low in (("samples", samples, 1), ("seq_len", seq_len, 1), ("batch", batch, 1),
                              ("threads", threads, 1), ("max_windows", max_windows, 1), ("speed_runs", speed_runs, 1)):
@@ -68,7 +111,7 @@ def run_evaluation(
     qm, rm = OnnxModel.load(qf.path), OnnxModel.load(rf.path)
     try:
         check_same_signature(qm.proto, rm.proto)
-        hints = {**rf.kv_hints(), **qf.kv_hints()}
+        hints = {**kv_hints(rf.genai), **kv_hints(qf.genai)}
         past = [s.name for s in input_specs(rm.proto) if is_past(s)]
         names = output_names(rm.proto)
         vocab, q_vocab = vocab_size(rm.proto), vocab_size(qm.proto)

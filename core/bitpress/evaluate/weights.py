@@ -5,7 +5,7 @@ reference's float weight by the name of its quantized initializer (bitpress, ONN
 quantizers and the GenAI builder name it ``<weight>_Q4`` / ``_Q8`` / ``_Bnb4``; a tied table's
 gather data is ``<weight>_Q4_gather``), else by node name (``<float node>_Q4``) and the weight that
 float node reads, through a ``Transpose`` for tied LM heads. The quantized bytes are dequantized
-with :mod:`bitpress.onnx.layout` (and ``bitpress_rtn.bnb4`` for NF4/FP4) and compared in the
+with :mod:`bitpress.onnx.layout` (and :mod:`bitpress.onnx.bnb4` for NF4/FP4) and compared in the
 orientation the float graph uses them.
 """
 
@@ -24,6 +24,7 @@ from onnx import helper
 from bitpress.evaluate.result import TensorError
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx import layout
+from bitpress.onnx.bnb4 import dequantize_bnb4
 from bitpress.onnx.correction import Correction, find_corrections, matmul_nbits_weight
 from bitpress.onnx.graph import MS_DOMAIN, consumers, producers
 
@@ -203,11 +204,6 @@ def _dequantize(
         )
         return layout.dequantize_gather_block_quantized(t)
     # MatMulBnb4
-    try:
-        from bitpress_rtn.bnb4 import dequantize_bnb4
-    except ImportError:
-        row.note = "NF4/FP4 needs the rtn plugin (bitpress_rtn) to dequantize"
-        return None
     absmax = arr(2)
     assert absmax is not None
     quant = {0: "fp4", 1: "nf4"}.get(int(attrs.get("quant_type", 1)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -24,13 +25,13 @@ log = logging.getLogger(__name__)
 GENAI_CONFIG = "genai_config.json"
 
 
-def read_genai_config(folder: Path) -> dict[str, Any] | None:
+def read_genai_config(folder: Path, *, require_decoder: bool = True) -> dict[str, Any] | None:
     """``folder``'s ``genai_config.json``, checked (None when there is none).
 
     The file must be inside the folder (a link is followed only when it stays there), hold a
     JSON object with a ``model.decoder`` object, and every file name it gives (``filename``,
-    ``config_filename``, ...) must be a relative name that stays inside the folder; the
-    decoder's file must exist.
+    ``config_filename``, ...) must be a relative name that stays inside the folder; with
+    ``require_decoder`` the decoder's file must exist.
     """
     folder = Path(folder)
     cfg = paths.optional(folder, GENAI_CONFIG, GENAI_CONFIG)
@@ -44,7 +45,7 @@ def read_genai_config(folder: Path) -> dict[str, Any] | None:
         raise ModelLoadError(f"{where} is not valid JSON: {exc}") from None
     except RecursionError:
         raise ModelLoadError(f"{where} is not valid JSON: nested too deeply") from None
-    check_genai_config(data, folder)
+    check_genai_config(data, folder, require_decoder=require_decoder)
     return data
 
 
@@ -201,3 +202,46 @@ class OnnxPackage(ModelHandle):
     def copy_file(self, src: Path, dst: Path) -> Path:
         """Copy a companion file (its in-folder target's bytes when it is a link), checked right before."""
         return paths.copy_inside(self.root, src, dst, "file in the model folder")
+
+
+# -- which .onnx file of a path runs (bitpress eval, bitpress bench) ---------------------------------------
+@dataclass(frozen=True)
+class ModelFile:
+    """The .onnx file to run and the folder its companions (tokenizer, genai_config) live in."""
+
+    path: Path
+    root: Path
+    genai: dict[str, Any] | None
+
+
+def resolve_model(path: str | Path, what: str) -> ModelFile:
+    """An .onnx file as given, or the decoder of a folder (genai_config.json, else its only .onnx)."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"{what} model not found: {path}")
+    if path.is_file():
+        return ModelFile(path, path.parent, _genai_config(path.parent))
+    genai = _genai_config(path)
+    decoder = ((genai or {}).get("model") or {}).get("decoder") or {}
+    if decoder.get("pipeline") and not decoder.get("filename"):
+        stages = ", ".join(str(next(iter(s), "?")) for s in decoder["pipeline"] if isinstance(s, dict))
+        raise UsageError(f"{path} is a decoder-pipeline package ({stages}): bitpress eval runs one decoder model; "
+                         "evaluate the package built without split_embedding (the same weights)")
+    filename = decoder.get("filename")
+    if filename:
+        file = path / paths.check_name(filename, f"{GENAI_CONFIG} model.decoder.filename")
+        if not file.is_file():
+            raise ModelLoadError(f"{path / GENAI_CONFIG} names the decoder {filename!r}, which is not in {path}")
+        paths.inside(path, file, "decoder")  # a link leaving the folder is refused
+        return ModelFile(file, path, genai)
+    found = [p for p, _ in paths.walk(path, "file in the model folder") if p.name.endswith(".onnx")]
+    if not found:
+        raise ModelLoadError(f"{path} is a folder without any .onnx model")
+    if len(found) > 1:
+        names = ", ".join(p.relative_to(path).as_posix() for p in found)
+        raise UsageError(f"{path} holds several models ({names}); pass the .onnx file to evaluate")
+    return ModelFile(found[0], path, genai)
+
+
+def _genai_config(folder: Path) -> dict[str, Any] | None:
+    return read_genai_config(folder, require_decoder=False)

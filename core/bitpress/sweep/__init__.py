@@ -7,7 +7,7 @@ the jobs done) and rewrites ``OUT/report.html``, the size / error Pareto front o
 With ``publish:``, every cell of ``bitpress publish``'s GenAI export matrix is a job too, for each
 Hugging Face model. See docs/sweep.md.
 
-``bitpress.sweep(config, ...)`` is :func:`bitpress.api.sweep`: this package is callable so that
+``bitpress.sweep(config, ...)`` is :func:`bitpress.sweep.runner.sweep`: this package is callable so that
 the package name and the function name can be the same (as ``bitpress.evaluate``).
 """
 
@@ -23,7 +23,7 @@ class _CallableModule(types.ModuleType):
     # of that name in bitpress/__init__ would be replaced by it (or would hide the package); a
     # callable package serves both uses.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from bitpress.api import sweep
+        from bitpress.sweep.runner import sweep
 
         return sweep(*args, **kwargs)
 

@@ -69,7 +69,8 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     A failure of the job (any error of the workflow or the evaluation) is the row's status, with
     its one-line reason: it never raises, except for an interruption (``KeyboardInterrupt``).
     """
-    from bitpress.api import evaluate, run
+    from bitpress.evaluate.runner import evaluate
+    from bitpress.workflow import run
 
     if spec.get("cell") is not None:
         return run_cell(spec)
@@ -151,7 +152,7 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
 def evaluate_cell(package: Path, reference: Path, cell: dict[str, Any], ev: dict[str, Any]) -> dict[str, Any]:
     """A package against its reference cell's package, measured as publish's ``matrix.eval`` measures
     (:func:`bitpress.publish.evaluate_cells`): perplexity on the text's windows, no weight SQNR."""
-    from bitpress.api import evaluate
+    from bitpress.evaluate.runner import evaluate
 
     if not (reference / "genai_config.json").is_file():
         raise ModelLoadError(f"the reference cell {cell['reference_folder']} (job {reference.name}) has no package: "

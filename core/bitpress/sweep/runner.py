@@ -149,7 +149,16 @@ def sweep(
     progress: Callable[..., Any] | None = None,
     registry: Any = None,
 ) -> SweepResult:
-    """See :func:`bitpress.api.sweep`."""
+    """Run a sweep config (a mapping, or a YAML / JSON file): every model x pass x grid point.
+
+    The CLI's ``sweep`` flags, by name: ``output`` (``-o``, over the config's ``output``),
+    ``executor`` (``--executor``: ``"threads"``, ``"ray"`` or ``{"type": "ray", "address": ...}``),
+    ``address`` (``--address``: a Ray cluster, implies ray), ``jobs`` (``--jobs``: jobs at once),
+    ``fresh`` (``--fresh``: rerun the jobs done before too). The whole config is validated first
+    (:class:`~bitpress.errors.ConfigError` and the other errors of a workflow config); a job that
+    fails is a row with its reason, not an error. Returns a :class:`~bitpress.sweep.runner.SweepResult`
+    (``rows``, ``pareto``, ``report``; ``to_json()``). See docs/sweep.md.
+    """
     from bitpress.sweep.config import load_sweep_config
 
     if isinstance(config, SweepConfig):

@@ -15,12 +15,12 @@ from onnx import helper
 
 from bitpress.errors import QuantizationError
 from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx.bnb4 import BNB4_QUANT_TYPES, dequantize_bnb4, quantize_bnb4
 from bitpress.onnx.graph import MS_DOMAIN
 from bitpress.onnx.kernels import bnb4_path
 from bitpress.onnx.weightonly import Group, Plan, Report, WeightOnlyOptions, plan, planned_report
 from bitpress.onnx.weightonly.report import Estimate
 from bitpress.passes import PassContext
-from bitpress_rtn.bnb4 import BNB4_QUANT_TYPES, dequantize_bnb4, quantize_bnb4
 
 log = logging.getLogger(__name__)
 
