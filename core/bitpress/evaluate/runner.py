@@ -73,33 +73,7 @@ def evaluate(
     """
     if jobs is not None and threads is not None and jobs != threads:
         raise UsageError(f"give jobs= or its old name threads=, not both (jobs={jobs}, threads={threads})")
-    n = jobs if jobs is not None else (threads if threads is not None else 1)
-    return run_evaluation(
-        quantized, reference, data=data, samples=samples, seq_len=seq_len, batch=batch, seed=seed, text=text,
-        tokenizer=tokenizer, max_windows=max_windows, threads=n, weights=weights, progress=progress,
-        speed=speed, speed_runs=speed_runs,
-    )
-
-
-def run_evaluation(
-    quantized: str | Path,
-    reference: str | Path,
-    *,
-    data: Any = None,
-    samples: int = 8,
-    seq_len: int = 128,
-    batch: int = 1,
-    seed: int = 0,
-    text: str | Path | None = None,
-    tokenizer: str | Path | None = None,
-    max_windows: int | None = None,
-    threads: int = 1,
-    weights: bool = True,
-    progress: Progress | None = None,
-    speed: bool = True,
-    speed_runs: int = 3,
-) -> EvalResult:
-    """See :func:`evaluate`."""
+    threads = jobs if jobs is not None else (threads if threads is not None else 1)
     start = time.perf_counter()
     for name, value, low in (("samples", samples, 1), ("seq_len", seq_len, 1), ("batch", batch, 1),
                              ("threads", threads, 1), ("max_windows", max_windows, 1), ("speed_runs", speed_runs, 1)):
@@ -405,4 +379,6 @@ def _log_summary(result: EvalResult) -> None:
                  summary["worst"])
 
 
-__all__ = ["run_evaluation"]
+run_evaluation = evaluate  # its former name
+
+__all__ = ["evaluate", "run_evaluation"]
