@@ -222,3 +222,16 @@ def test_onnx_model_of_a_folder(models: dict[str, Path]) -> None:
     assert subjects[0].label == "rtn"
     g = onnx.load(str(models["rtn"]), load_external_data=False)
     assert g.graph.node
+
+
+def test_a_package_named_relative_to_the_working_folder(genai_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bitpress bench pkg --profile` run beside the package: its files are found once, not under pkg/pkg/."""
+    from bitpress.models.hf_files import read_json
+    from bitpress.models.package import read_genai_config, resolve_model
+
+    monkeypatch.chdir(genai_folder.parent)
+    rel = Path(genai_folder.name)
+    assert read_genai_config(rel) is not None
+    assert resolve_model(rel, "benchmarked").path.resolve() == (genai_folder / "model.onnx").resolve()
+    assert runner.subjects_of([rel])[0].model_file.resolve() == (genai_folder / "model.onnx").resolve()
+    assert read_json(rel, "genai_config.json")["model"]

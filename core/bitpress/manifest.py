@@ -125,7 +125,7 @@ def verify(folder: Path) -> VerifyResult:
     if paths.optional(folder, MANIFEST, "manifest") is None:
         raise ModelLoadError(f"{folder} has no {MANIFEST} (written with every package bitpress builds)")
     try:
-        data = json.loads(paths.read_text(folder, folder / MANIFEST, "manifest"))
+        data = json.loads(paths.read_text(folder, MANIFEST, "manifest"))
     except (json.JSONDecodeError, RecursionError) as exc:
         raise ModelLoadError(f"{folder / MANIFEST} is not valid JSON: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("files"), list):

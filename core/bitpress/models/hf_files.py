@@ -53,7 +53,7 @@ def companion_files(folder: Path) -> list[Path]:
 def read_json(folder: Path, name: str, *, unique_keys: bool = False) -> Any:
     """A JSON file of the folder, confined to it and of bounded size (``unique_keys``: no key twice)."""
     where = Path(folder) / name
-    text = paths.read_text(folder, where, name)
+    text = paths.read_text(folder, name, name)
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates(where) if unique_keys else None)
     except json.JSONDecodeError as exc:

@@ -38,7 +38,7 @@ def read_genai_config(folder: Path, *, require_decoder: bool = True) -> dict[str
     if cfg is None:
         return None
     where = folder / GENAI_CONFIG
-    text = paths.read_text(folder, where, GENAI_CONFIG)
+    text = paths.read_text(folder, GENAI_CONFIG, GENAI_CONFIG)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -72,12 +72,12 @@ def check_genai_config(data: Any, folder: Path, *, require_decoder: bool = True)
         name = paths.check_name(value, label)
         # relative to the folder, or to a sub-folder named like the section (model.vision -> vision/)
         section = keys[1] if len(keys) > 2 and keys[0] == "model" else None
-        candidates = [Path(folder) / name]
+        candidates = [Path(name)]  # relative to the folder (paths.inside joins them)
         if section:
-            candidates.append(Path(folder) / section / name)
+            candidates.append(Path(section) / name)
         found = False
         for c in candidates:
-            if paths.lexists(c):
+            if paths.lexists(Path(folder) / c):
                 paths.inside(folder, c, label, kind="any", base=base)
                 found = True
         if not found and require_decoder and keys == ("model", "decoder", "filename"):
@@ -219,6 +219,7 @@ def resolve_model(path: str | Path, what: str) -> ModelFile:
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"{what} model not found: {path}")
+    path = path.absolute()  # the checks below join names to it: a relative folder would be joined twice
     if path.is_file():
         return ModelFile(path, path.parent, _genai_config(path.parent))
     genai = _genai_config(path)
