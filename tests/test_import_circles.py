@@ -3,7 +3,9 @@
 Every import counts, at module level or inside a function (a function-level import that only hides
 a circle is still one); imports under ``if TYPE_CHECKING:`` do not run and do not count. Importing
 ``a.b.c`` also runs the packages ``a`` and ``a.b`` (their ``__init__``): that counts too, except for
-the importer's own packages (a package importing its own submodules is how packages work).
+the importer's own packages (a package importing its own submodules is how packages work). A name
+imported from a module that loads its names lazily from an ``_EXPORTS`` table (the plugin API,
+:mod:`bitpress.plugin`) is an import of the module the table names for it.
 
 There are none: a module that needs something of a module importing it takes it from a lower one
 (see the README's layout), never by hiding the import in a function.
@@ -52,9 +54,26 @@ def _known_prefix(name: str, known: dict[str, tuple[Path, bool]]) -> str | None:
     return None
 
 
+def lazy_exports(known: dict[str, tuple[Path, bool]]) -> dict[str, dict[str, str]]:
+    """Modules that load their names on first use (PEP 562) from a literal ``_EXPORTS`` table of name ->
+    ``"module"`` or ``"module:attribute"`` (:mod:`bitpress.plugin`): module -> {name: the module it loads}.
+    ``from bitpress.plugin import X`` runs X's module when X is used, so it is an edge to that module."""
+    out: dict[str, dict[str, str]] = {}
+    for name, (path, _) in known.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in tree.body:
+            target = node.target if isinstance(node, ast.AnnAssign) else (
+                node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+            if isinstance(target, ast.Name) and target.id == "_EXPORTS" and node.value is not None:
+                table = ast.literal_eval(node.value)
+                out[name] = {k: v.partition(":")[0] for k, v in table.items()}
+    return out
+
+
 def import_graph(roots: list[Path]) -> dict[str, set[str]]:
     """Module -> the modules under ``roots`` its execution may run (see the module docstring)."""
     known = source_modules(roots)
+    lazy = lazy_exports(known)
     graph: dict[str, set[str]] = {}
     for name, (path, is_pkg) in known.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
@@ -75,6 +94,9 @@ def import_graph(roots: list[Path]) -> dict[str, set[str]]:
                     t = _known_prefix(f"{base}.{a.name}", known) if a.name != "*" else _known_prefix(base, known)
                     if t:
                         targets.add(t)
+                    if base in lazy:  # a lazily exported name: its module runs when the name is used
+                        names = lazy[base].values() if a.name == "*" else [lazy[base].get(a.name, "")]
+                        targets.update(m for n in names if (m := _known_prefix(n, known)))
         own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2)}
         edges: set[str] = set()
         for t in targets:
@@ -152,6 +174,19 @@ def test_function_level_package_and_relative_imports_count(tmp_path: Path) -> No
     assert graph["pk.d"] == {"pk.sub", "pk.sub.e"}  # importing pk.sub.e runs pk/sub/__init__ too
     assert graph["pk.sub.e"] == {"pk.d"}
     assert circles(graph) == {("pk.a", "pk.b"), ("pk.d", "pk.sub.e")}
+
+
+def test_names_of_a_lazy_public_module_are_edges_to_where_they_live(tmp_path: Path) -> None:
+    pkg = tmp_path / "pk"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "api.py").write_text('_EXPORTS: dict[str, str] = {"f": "pk.impl", "G": "pk.other:H"}\n')
+    (pkg / "impl.py").write_text("def f(): ...\n")
+    (pkg / "other.py").write_text("from pk.user import x\n")
+    (pkg / "user.py").write_text("from pk.api import G\n")
+    graph = import_graph([pkg])
+    assert graph["pk.user"] == {"pk.api", "pk.other"}  # not pk.impl: f is not imported
+    assert circles(graph) == {("pk.other", "pk.user")}
 
 
 def test_no_import_circles() -> None:

@@ -6,10 +6,11 @@ distribution's metadata::
     [project.entry-points.bitpress]
     myplugin = "my_package.plugin"
 
-Inside it, functions decorated with :data:`bitpress.hookimpl` and named like the specs
-below are called by the host. All hooks are optional; most plugins implement only
-:func:`bitpress_register_passes`. Model handles are :class:`bitpress.models.ModelHandle`
-subclasses; passes are :class:`bitpress.passes.Pass` subclasses.
+Inside it, functions decorated with ``hookimpl`` and named like the specs below are called by
+the host. All hooks are optional; most plugins implement only :func:`bitpress_register_passes`.
+Model handles are ``ModelHandle`` subclasses; passes are ``Pass`` subclasses. A plugin imports
+all of these, and everything else of the host it uses, from the public module
+:mod:`bitpress.plugin` (docs/writing-a-plugin.md); the rest of ``bitpress`` is internal.
 """
 
 from __future__ import annotations

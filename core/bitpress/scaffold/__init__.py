@@ -7,6 +7,8 @@ readable Python, TOML and Markdown). The result is a distribution ``bitpress-NAM
 built on the host's block-solver contract in ``src/bitpress_NAME/__init__.py``, a README and a
 test that quantizes a tiny synthetic model through the public API. It is written into a
 temporary sibling folder and renamed into place, so a failure leaves nothing behind.
+
+May import: errors.
 """
 
 from __future__ import annotations

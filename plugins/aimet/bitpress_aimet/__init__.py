@@ -8,7 +8,7 @@ itself needs only the host; the toolkit comes with an environment of its own:
 
 from __future__ import annotations
 
-from bitpress import hookimpl
+from bitpress.plugin import hookimpl
 from bitpress_aimet.passes import PASSES, AimetPass
 
 __all__ = ["AimetPass"]

@@ -14,8 +14,7 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from bitpress.options import coerce, option
-from bitpress.selection import short
+from bitpress.plugin import coerce, option, short
 
 #: the linear op types AIMET optimizes (AdaRound: ``AdaroundSupportedModules``; LPBQ: any weight op)
 LINEAR_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")

@@ -10,10 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
-from bitpress.errors import UsageError
-from bitpress.models.onnx_model import OnnxModel
-from bitpress.passes import Pass, PassContext
-from bitpress.toolkit.feeds import calibration_feeds
+from bitpress.plugin import OnnxModel, Pass, PassContext, UsageError, calibration_feeds
 from bitpress_aimet.options import AimetOptions
 
 #: shown when AIMET is missing: its environment keeps torchvision out (it breaks CPU torch)

@@ -22,12 +22,21 @@ from typing import Any
 import numpy as np
 import onnx
 
-from bitpress.errors import QuantizationError, UsageError
-from bitpress.models.onnx_model import OnnxModel
-from bitpress.onnx.save import SINGLE_FILE_LIMIT
-from bitpress.onnx.tensors import iter_tensors, tensor_nbytes
-from bitpress.passes import PassContext
-from bitpress.toolkit.workspace import ToolReport, Workspace, count_ops, dist_version, drop_unused_opsets, record_report
+from bitpress.plugin import (
+    SINGLE_FILE_LIMIT,
+    OnnxModel,
+    PassContext,
+    QuantizationError,
+    ToolReport,
+    UsageError,
+    Workspace,
+    count_ops,
+    dist_version,
+    drop_unused_opsets,
+    iter_tensors,
+    record_report,
+    tensor_nbytes,
+)
 from bitpress_aimet import tied
 from bitpress_aimet.options import LINEAR_OPS, AdaRoundOptions, AimetOptions, LpbqOptions, SeqMseOptions, Technique
 from bitpress_aimet.sandbox import contained, import_aimet, torch_threads

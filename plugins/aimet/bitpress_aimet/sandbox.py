@@ -42,8 +42,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bitpress.toolkit.containment import Relay, ToolMessages, import_contained
-from bitpress.toolkit.containment import contained as host_contained
+from bitpress.plugin import Relay, ToolMessages, import_contained
+from bitpress.plugin import contained as host_contained
 
 log = logging.getLogger(__name__)
 #: AIMET's own messages are re-emitted here (its INFO at DEBUG, WARNING at INFO, ERROR at WARNING)

@@ -8,7 +8,7 @@ rounding with any block solver (rtn by default).
 
 from __future__ import annotations
 
-from bitpress import hookimpl
+from bitpress.plugin import hookimpl
 from bitpress_awq.search import AwqClipSolver, AwqScaler
 
 __all__ = ["AwqClipSolver", "AwqScaler"]
@@ -20,7 +20,7 @@ def bitpress_register_passes(register):
 
     register(AwqPass)
     # Hugging Face (PyTorch) passes: their modules import torch only when they run
-    from bitpress.hf.passes import HfToOnnxPass
+    from bitpress.plugin import HfToOnnxPass
     from bitpress_awq.hf_passes import AwqHfPass
 
     register(AwqHfPass)

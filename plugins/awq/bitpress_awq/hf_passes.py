@@ -13,13 +13,10 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from bitpress.errors import UsageError
-from bitpress.hf.calibrated_pass import CalibratedHfOptions, CalibratedHfPass
-from bitpress.options import option
-from bitpress.quant.solver import BlockSolver
+from bitpress.plugin import BlockSolver, CalibratedHfOptions, CalibratedHfPass, UsageError, option
 
 if TYPE_CHECKING:
-    from bitpress.hf.calibrated import Method
+    from bitpress.plugin import Method
 
 #: quantizer -> (module, function, distribution, plugin folder)
 QUANTIZERS = {
@@ -82,7 +79,7 @@ class AwqHfPass(CalibratedHfPass):
         return block_solver(self.options.quantizer)
 
     def method(self) -> Method:
-        from bitpress.hf.calibrated import Method
+        from bitpress.plugin import Method
         from bitpress_awq.search import AwqClipSolver, AwqScaler
 
         o = self.options

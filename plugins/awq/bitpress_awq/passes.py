@@ -5,12 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from bitpress.onnx.calibrated import CalibratedOptions, CalibratedPass
-from bitpress.onnx.calibrated.passes import rounding_solver
-from bitpress.onnx.weightonly import Group
-from bitpress.options import option
-from bitpress.quant.calibrated import CalibratedSolver, InputScaler
-from bitpress.quant.solver import BlockSolver
+from bitpress.plugin import (
+    BlockSolver,
+    CalibratedOptions,
+    CalibratedPass,
+    CalibratedSolver,
+    Group,
+    InputScaler,
+    option,
+    rounding_solver,
+)
 from bitpress_awq.search import DEFAULT_CLIP_SKIP, AwqClipSolver, AwqScaler
 
 

@@ -50,10 +50,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bitpress.errors import QuantizationError, UsageError
-from bitpress.quant.calibrated import LayerStats, Target, output_error
-from bitpress.quant.solver import BlockSolver, BlockSpec, QuantizedBlocks, dequantize
-from bitpress.selection import NameMatcher
+from bitpress.plugin import (
+    BlockSolver,
+    BlockSpec,
+    LayerStats,
+    NameMatcher,
+    QuantizationError,
+    QuantizedBlocks,
+    Target,
+    UsageError,
+    dequantize,
+    output_error,
+)
 from bitpress_rtn.solver import rtn_solver
 
 __all__ = [

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bitpress import hookimpl
+from bitpress.plugin import hookimpl
 
 
 @hookimpl

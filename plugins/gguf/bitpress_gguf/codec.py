@@ -210,7 +210,7 @@ def integer_form(scale: np.ndarray, zero: np.ndarray, minimum: np.ndarray, bits:
     to llama.cpp's ``fl(s * q - M)``, bit for bit. ``zi = round(z)`` at 4 bits too, not the implied 8: ``s * (q -
     8)`` and ``C = 8 s - M`` cancel where ``s * q - M`` is small, which costs millions of float32 ulps of
     llama.cpp's terms (measured on random Q4_1 / Q4_K / Q2_K blocks)."""
-    from bitpress.onnx.correction import split_zero_points
+    from bitpress.plugin import split_zero_points
 
     zi, c = split_zero_points(scale, zero, bits, np.float32, offsets=minimum)
     return zi, np.ascontiguousarray(c.T)

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from bitpress.errors import ExportError
+from bitpress.plugin import ExportError
 from bitpress_gguf.codec import TYPES, Blocks, decode, integer_form, pack
 from bitpress_gguf.model import GgufModel
 
@@ -113,7 +113,7 @@ def refuse_unconvertible(model: GgufModel, skip: set[str] | None = None) -> None
         elif t.name == "token_embd.weight" and not info.gatherable:
             bad.append(f"{t.name} ({t.type_name}: float zero points, which GatherBlockQuantized cannot hold)")
     if bad:
-        from bitpress.errors import summarize_names
+        from bitpress.plugin import summarize_names
 
         raise ExportError(f"{model.source.name}: {len(bad)} tensor(s) have no exact ONNX form: "
                           f"{summarize_names(bad)}")
@@ -129,8 +129,7 @@ def convert(model: GgufModel, workdir: Path, *, ep: str = "cpu", check: bool = T
             timeout: float = TIMEOUT_S) -> Any:
     """Build the package (see the module's docstring) in ``workdir/package``; returns a GenaiPackage.
     ``accuracy_level``: MatMulNBits', None for the target's default (4 on cpu and webgpu, 0 elsewhere)."""
-    from bitpress.hf.genai_export import GenaiPackage, check_package
-    from bitpress.onnx.kernels import resolve_accuracy_level
+    from bitpress.plugin import GenaiPackage, check_package, resolve_accuracy_level
 
     target = target_of(ep)
     level = resolve_accuracy_level(accuracy_level, target)
@@ -170,7 +169,7 @@ def convert(model: GgufModel, workdir: Path, *, ep: str = "cpu", check: bool = T
 
 
 def _run(argv: list[str], cwd: Path, name: str, timeout: float) -> None:
-    from bitpress.hf.genai_export import builder_reason
+    from bitpress.plugin import builder_reason
 
     log.info("%s: %s", name, " ".join(argv[2:]))
     logfile = cwd / f"{name.split()[-1]}.log"
@@ -263,12 +262,16 @@ def replace_weights(model: GgufModel, src: Path, dest: Path, *, accuracy_level: 
                     redo: set[str] | None = None, requantize: dict[str, Any] | None = None,
                     workdir: Path | None = None) -> dict[str, int]:
     """Every float weight of ``src`` that a quantized GGUF tensor holds, replaced by that tensor's blocks."""
-    from bitpress.models.onnx_model import OnnxModel
-    from bitpress.onnx.save import SaveOptions, save_onnx
-    from bitpress.onnx.weightonly.planning import WeightOnlyOptions, plan
-    from bitpress.onnx.weightonly.solving import Result
-    from bitpress.onnx.weightonly.writing import Writer
-    from bitpress.quant.solver import QuantizedBlocks
+    from bitpress.plugin import (
+        OnnxModel,
+        QuantizedBlocks,
+        Result,
+        SaveOptions,
+        WeightOnlyOptions,
+        Writer,
+        plan,
+        save_onnx,
+    )
 
     f = model.file
     arch = f.architecture
@@ -343,7 +346,7 @@ def replace_weights(model: GgufModel, src: Path, dest: Path, *, accuracy_level: 
     warn_slow(onnx_model.graph, target, model.source.name)
     missing = sorted(quantized_names - used)
     if missing:
-        from bitpress.errors import summarize_names
+        from bitpress.plugin import summarize_names
 
         raise ExportError(f"the exporter's graph has no weight for {summarize_names(missing)}: not converted")
     save_onnx(onnx_model, dest, SaveOptions(external_data=True, check=False))
@@ -359,9 +362,7 @@ def run_requantize(model: Any, weights: list[str], spec: dict[str, Any], workdir
     dequantization), with ``spec["options"]``; the package's target and accuracy_level unless they say others."""
     import dataclasses
 
-    from bitpress.errors import BitpressError
-    from bitpress.passes import PassContext
-    from bitpress.plugins import get_registry
+    from bitpress.plugin import BitpressError, PassContext, get_registry
 
     cls = get_registry().get_pass(spec["pass"])
     if "onnx" not in cls.model_kinds or getattr(cls, "needs_data", False):
@@ -525,9 +526,7 @@ def split_fused(model: Any, group: Any, parts: list[Encoded], k: int, accuracy_l
     concatenated along the last axis into the fused output. Returns the parts' corrections (by output)."""
     from onnx import helper
 
-    from bitpress.onnx import layout
-    from bitpress.onnx.graph import MS_DOMAIN
-    from bitpress.quant.solver import QuantizedBlocks
+    from bitpress.plugin import MS_DOMAIN, QuantizedBlocks, to_matmul_nbits
 
     uses = [u for u in group.uses if not u.is_gather]
     if len(uses) != 1 or uses[0].node.op_type != "MatMul" or uses[0].transpose is not None:
@@ -542,7 +541,7 @@ def split_fused(model: Any, group: Any, parts: list[Encoded], k: int, accuracy_l
     for i, p in enumerate(parts):
         base, out = f"{group.weight}/part{i}", f"{out_name}/part{i}"
         blocks = QuantizedBlocks(np.empty((p.scales.shape[0], p.scales.shape[1], 0), np.uint8), p.scales, p.zeros)
-        mt = layout.to_matmul_nbits(blocks, p.bits, k, np.float32, flat=True, packed_q=p.packed)
+        mt = to_matmul_nbits(blocks, p.bits, k, np.float32, flat=True, packed_q=p.packed)
         names = [f"{base}_Q{p.bits}", f"{base}_scales", f"{base}_zero_points"]
         for name, array in zip(names, (mt.b, mt.scales, mt.zero_points), strict=True):
             g.initializer.append(model.make_tensor(name, array))
@@ -566,7 +565,7 @@ def add_corrections(model: Any, fixes: dict[str, Fix]) -> int:
     computed once). Returns how many were added."""
     import onnx
 
-    from bitpress.onnx import correction
+    from bitpress.plugin import CorrectionFix, insert_corrections
 
     g = model.graph
     have = {t.name for t in g.initializer}
@@ -574,10 +573,10 @@ def add_corrections(model: Any, fixes: dict[str, Fix]) -> int:
         if fix.c_name not in have:  # one weight read by two MatMuls: one C
             have.add(fix.c_name)
             g.initializer.append(model.make_tensor(fix.c_name, np.ascontiguousarray(fix.c.T)))  # [n_blocks, N]
-    host = {out: correction.Fix(f.c_name, f.k, f.block, np.dtype(np.float32)) for out, f in fixes.items()}
+    host = {out: CorrectionFix(f.c_name, f.k, f.block, np.dtype(np.float32)) for out, f in fixes.items()}
     try:
-        nodes = correction.insert_corrections(list(g.node), host,
-                                              lambda name, array: g.initializer.append(model.make_tensor(name, array)))
+        nodes = insert_corrections(list(g.node), host,
+                                   lambda name, array: g.initializer.append(model.make_tensor(name, array)))
     except ValueError as exc:  # the writer wrote something else there (a Gemm's bias)
         raise ExportError(f"{exc}: its float minimums cannot be corrected") from None
     copies = [onnx.NodeProto() for _ in nodes]
@@ -591,7 +590,7 @@ def add_corrections(model: Any, fixes: dict[str, Fix]) -> int:
 def warn_slow(graph: Any, target: str, where: str) -> None:
     """One warning naming the nodes that run on ONNX Runtime's slow path (an explicit accuracy_level below 4 with
     8-bit weights on cpu), :mod:`bitpress.onnx.kernels`."""
-    from bitpress.onnx.kernels import graph_paths
+    from bitpress.plugin import graph_paths
 
     warning = graph_paths(graph, target).warning(where)
     if warning:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from bitpress.models.base import ModelHandle
+from bitpress.plugin import ModelHandle
 from bitpress_gguf.codec import FLOAT_TYPES, TYPES, decode
 from bitpress_gguf.reader import GgufFile, TensorInfo
 

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from bitpress.options import option
-from bitpress.passes import Pass, PassContext
+from bitpress.plugin import Pass, PassContext, option
 
 EPS = ("cpu", "default", "cuda", "dml", "webgpu")
 
@@ -58,7 +57,7 @@ class GgufToGenaiPass(Pass):
     install_hint: ClassVar[str | None] = 'pip install "torch==2.13.0" "bitpress[gguf,genai]"'
 
     def run(self, model: Any, context: PassContext) -> Any:
-        from bitpress.errors import QuantizationError
+        from bitpress.plugin import QuantizationError
         from bitpress_gguf.convert import convert
         from bitpress_gguf.model import GgufModel
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from bitpress.errors import ModelLoadError
+from bitpress.plugin import ModelLoadError
 
 log = logging.getLogger(__name__)
 

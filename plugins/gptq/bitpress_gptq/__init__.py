@@ -7,7 +7,7 @@ statistics the host collects.
 
 from __future__ import annotations
 
-from bitpress import hookimpl
+from bitpress.plugin import hookimpl
 from bitpress_gptq.solver import GptqPrepared, GptqSettings, GptqSolver
 
 __all__ = ["GptqPrepared", "GptqSettings", "GptqSolver"]
@@ -19,7 +19,7 @@ def bitpress_register_passes(register):
 
     register(GptqPass)
     # Hugging Face (PyTorch) passes: their modules import torch only when they run
-    from bitpress.hf.passes import HfToOnnxPass
+    from bitpress.plugin import HfToOnnxPass
     from bitpress_gptq.hf_passes import GptqHfPass
 
     register(GptqHfPass)

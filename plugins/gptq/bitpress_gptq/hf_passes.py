@@ -12,12 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from bitpress.hf.calibrated_pass import CalibratedHfOptions, CalibratedHfPass
-from bitpress.options import option
-from bitpress.quant.solver import BlockSolver
+from bitpress.plugin import BlockSolver, CalibratedHfOptions, CalibratedHfPass, option
 
 if TYPE_CHECKING:
-    from bitpress.hf.calibrated import Method
+    from bitpress.plugin import Method
 
 
 @dataclass
@@ -53,7 +51,7 @@ class GptqHfPass(CalibratedHfPass):
         return grid_solver(self.options.mse)
 
     def method(self) -> Method:
-        from bitpress.hf.calibrated import Method
+        from bitpress.plugin import Method
         from bitpress_gptq.solver import GptqSolver, settings_from
 
         return Method(GptqSolver(settings_from(self.options)), self.solver())

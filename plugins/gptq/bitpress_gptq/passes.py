@@ -10,11 +10,16 @@ from typing import ClassVar
 
 import numpy as np
 
-from bitpress.onnx.calibrated import CalibratedOptions, CalibratedPass
-from bitpress.onnx.weightonly import Group
-from bitpress.options import option
-from bitpress.quant.calibrated import CalibratedSolver
-from bitpress.quant.solver import BlockSolver, BlockSpec, QuantizedBlocks
+from bitpress.plugin import (
+    BlockSolver,
+    BlockSpec,
+    CalibratedOptions,
+    CalibratedPass,
+    CalibratedSolver,
+    Group,
+    QuantizedBlocks,
+    option,
+)
 from bitpress_gptq import grid
 from bitpress_gptq.solver import GptqSolver, settings_from
 

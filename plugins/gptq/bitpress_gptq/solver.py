@@ -39,9 +39,7 @@ from typing import Any
 import numpy as np
 from scipy.linalg import lapack
 
-from bitpress.errors import QuantizationError
-from bitpress.quant.calibrated import LayerStats, Target
-from bitpress.quant.solver import BlockSpec, QuantizedBlocks
+from bitpress.plugin import BlockSpec, LayerStats, QuantizationError, QuantizedBlocks, Target
 from bitpress_gptq.grid import GroupParams, dequantize, group_params, quantize
 
 log = logging.getLogger(__name__)

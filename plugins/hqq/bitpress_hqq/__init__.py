@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bitpress import hookimpl
+from bitpress.plugin import hookimpl
 from bitpress_hqq.passes import HqqPass
 
 __all__ = ["HqqPass"]

@@ -6,9 +6,7 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
-from bitpress.onnx.weightonly import WeightOnlyOptions, WeightOnlyPass
-from bitpress.options import option
-from bitpress.quant.solver import BlockSolver
+from bitpress.plugin import BlockSolver, WeightOnlyOptions, WeightOnlyPass, option
 from bitpress_hqq.solver import hqq_solver
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from bitpress.quant.solver import BlockSpec, QuantizedBlocks
+from bitpress.plugin import BlockSpec, QuantizedBlocks
 
 __all__ = ["bits_per_weight", "hqq_solver"]
 

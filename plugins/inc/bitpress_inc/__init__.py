@@ -8,7 +8,7 @@ extra or, better, an environment of its own: ``bitpress env create inc``.
 
 from __future__ import annotations
 
-from bitpress import hookimpl
+from bitpress.plugin import hookimpl
 from bitpress_inc.passes import PASSES, IncDynamicPass, IncPass, IncStaticPass, IncWeightOnlyPass
 
 __all__ = ["IncDynamicPass", "IncPass", "IncStaticPass", "IncWeightOnlyPass"]

@@ -11,9 +11,7 @@ from typing import Any
 
 import onnx
 
-from bitpress.errors import UsageError
-from bitpress.onnx.kernels import resolve_accuracy_level
-from bitpress.onnx.tensors import iter_graphs
+from bitpress.plugin import UsageError, iter_graphs, resolve_accuracy_level
 from bitpress_inc.options import REFUSED, Int8Options, SmoothQuantOptions, StaticOptions, WeightOnlyConfig
 
 CPU = "CPUExecutionProvider"

@@ -23,8 +23,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from bitpress.errors import QuantizationError
-from bitpress.onnx.tensors import iter_graphs
+from bitpress.plugin import QuantizationError, iter_graphs
 
 
 def _attrs(node: onnx.NodeProto) -> dict[str, int]:

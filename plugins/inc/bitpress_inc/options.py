@@ -11,9 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from bitpress.errors import OptionError
-from bitpress.options import option, parse_options
-from bitpress.quant.solver import check_block_size
+from bitpress.plugin import OptionError, check_block_size, option, parse_options
 
 Approach = Literal["static", "dynamic", "weight_only", "auto"]
 Int8Type = Literal["int8", "uint8"]

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from bitpress.errors import OptionError
-from bitpress.passes import Pass, PassContext
+from bitpress.plugin import OptionError, Pass, PassContext
 from bitpress_inc import runner
 from bitpress_inc.options import (
     DynamicOptions,

@@ -18,12 +18,25 @@ from typing import Any
 
 import onnx
 
-from bitpress.cpu import cpu_flags, int8_saturates
-from bitpress.errors import BitpressError, QuantizationError, UsageError
-from bitpress.models.onnx_model import OnnxModel
-from bitpress.passes import PassContext
-from bitpress.toolkit.feeds import Feed, FeedReader, calibration_feeds, split_feeds
-from bitpress.toolkit.workspace import ToolReport, Workspace, count_ops, dist_version, drop_unused_opsets, record_report
+from bitpress.plugin import (
+    BitpressError,
+    Feed,
+    FeedReader,
+    OnnxModel,
+    PassContext,
+    QuantizationError,
+    ToolReport,
+    UsageError,
+    Workspace,
+    calibration_feeds,
+    count_ops,
+    cpu_flags,
+    dist_version,
+    drop_unused_opsets,
+    int8_saturates,
+    record_report,
+    split_feeds,
+)
 from bitpress_inc import configs
 from bitpress_inc.fixes import broadcast_scalar_muls, repack_zero_points
 from bitpress_inc.options import StaticOptions, TuningOptions, WeightOnlyOptions

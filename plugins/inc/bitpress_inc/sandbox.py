@@ -35,9 +35,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bitpress.errors import QuantizationError
-from bitpress.toolkit.containment import Relay, ToolMessages, import_contained
-from bitpress.toolkit.containment import contained as host_contained
+from bitpress.plugin import QuantizationError, Relay, ToolMessages, import_contained
+from bitpress.plugin import contained as host_contained
 
 log = logging.getLogger(__name__)
 #: INC's messages are re-emitted here (its ERROR at WARNING, WARNING at INFO, the rest at DEBUG)

@@ -28,10 +28,7 @@ from typing import Any
 
 import onnx
 
-from bitpress.errors import QuantizationError
-from bitpress.evaluate.metrics import OutputAccumulator
-from bitpress.toolkit.feeds import Feed, FeedReader
-from bitpress.toolkit.workspace import count_ops
+from bitpress.plugin import Feed, FeedReader, OutputAccumulator, QuantizationError, count_ops
 from bitpress_inc import configs
 from bitpress_inc.options import TuningOptions
 

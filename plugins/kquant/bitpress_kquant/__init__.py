@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bitpress import hookimpl
+from bitpress.plugin import hookimpl
 from bitpress_kquant.passes import KQuantPass, Q4KMPass
 
 __all__ = ["KQuantPass", "Q4KMPass"]
@@ -13,7 +13,7 @@ def bitpress_register_passes(register):
     register(KQuantPass)
     register(Q4KMPass)
     # Hugging Face (PyTorch) passes: their modules import torch only when they run
-    from bitpress.hf.passes import HfToOnnxPass
+    from bitpress.plugin import HfToOnnxPass
     from bitpress_kquant.hf_passes import KQuantHfPass
 
     register(KQuantHfPass)

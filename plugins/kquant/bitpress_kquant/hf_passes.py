@@ -9,10 +9,7 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
-from bitpress.hf.passes import HfQuantPass
-from bitpress.hf.rules import HfQuantOptions
-from bitpress.options import option
-from bitpress.quant.solver import BlockSolver
+from bitpress.plugin import BlockSolver, HfQuantOptions, HfQuantPass, option
 from bitpress_kquant.solver import kquant_solver
 
 

@@ -6,10 +6,7 @@ import functools
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from bitpress.onnx.weightonly import Plan, WeightOnlyOptions, WeightOnlyPass, plan
-from bitpress.options import option
-from bitpress.quant.solver import BlockSolver
-from bitpress.selection import NameMatcher
+from bitpress.plugin import BlockSolver, NameMatcher, Plan, WeightOnlyOptions, WeightOnlyPass, option, plan
 from bitpress_kquant.recipe import HIGH_BITS, is_head, q4_k_m_overrides
 from bitpress_kquant.solver import kquant_solver
 

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from bitpress.quant.solver import BlockSpec, QuantizedBlocks
+from bitpress.plugin import BlockSpec, QuantizedBlocks
 
 __all__ = ["bits_per_weight", "kquant_solver"]
 

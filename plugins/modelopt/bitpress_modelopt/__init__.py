@@ -9,7 +9,7 @@ with the ``toolkit`` extra or, better, an environment of its own: ``bitpress env
 
 from __future__ import annotations
 
-from bitpress import hookimpl
+from bitpress.plugin import hookimpl
 from bitpress_modelopt.passes import PASSES, ModelOptInt4Pass, ModelOptInt8Pass
 
 __all__ = ["ModelOptInt4Pass", "ModelOptInt8Pass"]

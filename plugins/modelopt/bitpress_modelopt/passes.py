@@ -15,14 +15,18 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from bitpress.errors import UsageError
-from bitpress.models.onnx_model import OnnxModel
-from bitpress.onnx.kernels import resolve_accuracy_level
-from bitpress.options import option
-from bitpress.passes import Pass, PassContext
-from bitpress.quant.solver import check_block_size
-from bitpress.selection import NameMatcher
-from bitpress.toolkit.feeds import calibration_feeds, placeholder_feeds
+from bitpress.plugin import (
+    NameMatcher,
+    OnnxModel,
+    Pass,
+    PassContext,
+    UsageError,
+    calibration_feeds,
+    check_block_size,
+    option,
+    placeholder_feeds,
+    resolve_accuracy_level,
+)
 from bitpress_modelopt.runner import ModelOptCall, exact_patterns, name_nodes, run_modelopt
 
 #: shown when ModelOpt is missing; an environment of its own because its [onnx] extra replaces onnxruntime

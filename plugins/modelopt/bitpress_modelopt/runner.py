@@ -18,12 +18,22 @@ from typing import Any
 
 import onnx
 
-from bitpress.errors import QuantizationError, UsageError
-from bitpress.models.onnx_model import OnnxModel
-from bitpress.onnx.qdq_nbits import QdqConversion, convert_qdq_to_nbits
-from bitpress.passes import PassContext
-from bitpress.toolkit.feeds import Feed, FeedReader
-from bitpress.toolkit.workspace import ToolReport, Workspace, count_ops, dist_version, drop_unused_opsets, record_report
+from bitpress.plugin import (
+    Feed,
+    FeedReader,
+    OnnxModel,
+    PassContext,
+    QdqConversion,
+    QuantizationError,
+    ToolReport,
+    UsageError,
+    Workspace,
+    convert_qdq_to_nbits,
+    count_ops,
+    dist_version,
+    drop_unused_opsets,
+    record_report,
+)
 from bitpress_modelopt.sandbox import contained, import_modelopt
 
 log = logging.getLogger(__name__)

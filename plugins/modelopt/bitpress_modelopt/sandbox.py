@@ -52,8 +52,8 @@ from typing import Any
 
 import numpy
 
-from bitpress.toolkit.containment import Relay, ToolMessages
-from bitpress.toolkit.containment import contained as host_contained
+from bitpress.plugin import Relay, ToolMessages
+from bitpress.plugin import contained as host_contained
 
 log = logging.getLogger(__name__)
 #: ModelOpt's messages are re-emitted here (its INFO at DEBUG, WARNING at INFO, ERROR at WARNING)

@@ -8,7 +8,7 @@ one of the host's own dependencies: it runs in the host's environment.
 
 from __future__ import annotations
 
-from bitpress import hookimpl
+from bitpress.plugin import hookimpl
 from bitpress_ort.passes import PASSES, OrtDynamicPass, OrtStaticPass
 from bitpress_ort.tuning import OrtTunePass
 

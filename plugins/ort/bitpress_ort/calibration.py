@@ -36,8 +36,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from bitpress.errors import QuantizationError
-from bitpress.toolkit.feeds import Feed, FeedReader
+from bitpress.plugin import Feed, FeedReader, QuantizationError
 from bitpress_ort.entropy import entropy_threshold
 
 log = logging.getLogger(__name__)

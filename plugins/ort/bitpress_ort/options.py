@@ -18,7 +18,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from bitpress.options import option
+from bitpress.plugin import option
 
 #: ONNX Runtime's QuantType names (Olive's OnnxQuantization) or Olive 0.9's precision names
 QuantTypeName = Literal["QInt8", "QUInt8", "int8", "uint8"]

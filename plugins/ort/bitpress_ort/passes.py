@@ -11,13 +11,19 @@ import logging
 import time
 from typing import Any, ClassVar, Literal
 
-from bitpress.cpu import ReduceRange, resolve_reduce_range
-from bitpress.errors import UsageError
-from bitpress.models.onnx_model import OnnxModel
-from bitpress.onnx.tensors import iter_graphs
-from bitpress.passes import Pass, PassContext
-from bitpress.toolkit.feeds import Feed, calibration_feeds
-from bitpress.toolkit.workspace import ToolReport, record_report
+from bitpress.plugin import (
+    Feed,
+    OnnxModel,
+    Pass,
+    PassContext,
+    ReduceRange,
+    ToolReport,
+    UsageError,
+    calibration_feeds,
+    iter_graphs,
+    record_report,
+    resolve_reduce_range,
+)
 from bitpress_ort.calibration import CalibrationPlan
 from bitpress_ort.options import (
     CALIBRATION_KEYS,

@@ -21,13 +21,21 @@ from typing import Any
 
 import onnx
 
-from bitpress.errors import QuantizationError
-from bitpress.models.onnx_model import OnnxModel
-from bitpress.onnx.save import SaveOptions, save_onnx
-from bitpress.onnx.tensors import is_external, iter_graphs, tensor_nbytes
-from bitpress.passes import PassContext
-from bitpress.toolkit.feeds import Feed
-from bitpress.toolkit.workspace import Workspace, count_ops, dist_version, drop_unused_opsets
+from bitpress.plugin import (
+    Feed,
+    OnnxModel,
+    PassContext,
+    QuantizationError,
+    SaveOptions,
+    Workspace,
+    count_ops,
+    dist_version,
+    drop_unused_opsets,
+    is_external,
+    iter_graphs,
+    save_onnx,
+    tensor_nbytes,
+)
 from bitpress_ort.calibration import CalibrationPlan, CalibrationResult, calibrate, save_cache
 from bitpress_ort.sandbox import contained
 

@@ -36,8 +36,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bitpress.toolkit.containment import ToolMessages, import_contained
-from bitpress.toolkit.containment import contained as host_contained
+from bitpress.plugin import ToolMessages, import_contained
+from bitpress.plugin import contained as host_contained
 
 #: ONNX Runtime's messages, demoted (its WARNING at INFO, the rest at DEBUG)
 ort_log = logging.getLogger("bitpress_ort.ort")

@@ -29,12 +29,18 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import onnx
 
-from bitpress.errors import QuantizationError, UsageError
-from bitpress.evaluate.metrics import OutputAccumulator
-from bitpress.options import option
-from bitpress.passes import PassContext
-from bitpress.toolkit.feeds import Feed, split_feeds
-from bitpress.toolkit.workspace import ToolReport, count_ops, record_report
+from bitpress.plugin import (
+    Feed,
+    OutputAccumulator,
+    PassContext,
+    QuantizationError,
+    ToolReport,
+    UsageError,
+    count_ops,
+    option,
+    record_report,
+    split_feeds,
+)
 from bitpress_ort.calibration import CalibrationResult
 from bitpress_ort.options import (
     DISTRIBUTION_REFUSED,

@@ -7,7 +7,7 @@ The plugin itself needs only the host; the toolkit (``amd-quark``, torch) comes 
 
 from __future__ import annotations
 
-from bitpress import hookimpl
+from bitpress.plugin import hookimpl
 from bitpress_quark.passes import PASSES, QuarkDynamicPass, QuarkInt4Pass, QuarkStaticPass
 
 __all__ = ["QuarkDynamicPass", "QuarkInt4Pass", "QuarkStaticPass"]

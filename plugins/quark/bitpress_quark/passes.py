@@ -15,14 +15,18 @@ from typing import Any, ClassVar, Literal
 
 import onnx
 
-from bitpress.cpu import ReduceRange, resolve_reduce_range
-from bitpress.errors import UsageError
-from bitpress.models.onnx_model import OnnxModel
-from bitpress.onnx.kernels import resolve_accuracy_level
-from bitpress.onnx.tensors import iter_graphs
-from bitpress.options import option
-from bitpress.passes import Pass, PassContext
-from bitpress.quant.solver import check_block_size
+from bitpress.plugin import (
+    OnnxModel,
+    Pass,
+    PassContext,
+    ReduceRange,
+    UsageError,
+    check_block_size,
+    iter_graphs,
+    option,
+    resolve_accuracy_level,
+    resolve_reduce_range,
+)
 from bitpress_quark.runner import calibration_feeds, placeholder_feeds, reject_fallback, run_quark
 
 #: shown when Quark is missing; an environment of its own because Quark pins onnx<=1.22.0

@@ -17,12 +17,20 @@ from typing import Any
 import numpy as np
 import onnx
 
-from bitpress.errors import QuantizationError
-from bitpress.models.onnx_model import OnnxModel
-from bitpress.passes import PassContext
-from bitpress.toolkit.feeds import FeedReader, placeholder_feeds
-from bitpress.toolkit.feeds import calibration_feeds as host_calibration_feeds
-from bitpress.toolkit.workspace import ToolReport, Workspace, count_ops, dist_version, drop_unused_opsets, record_report
+from bitpress.plugin import (
+    FeedReader,
+    OnnxModel,
+    PassContext,
+    QuantizationError,
+    ToolReport,
+    Workspace,
+    count_ops,
+    dist_version,
+    drop_unused_opsets,
+    placeholder_feeds,
+    record_report,
+)
+from bitpress.plugin import calibration_feeds as host_calibration_feeds
 from bitpress_quark.sandbox import QuarkMessages, contained, import_quark
 
 __all__ = ["FeedReader", "calibration_feeds", "placeholder_feeds", "reject_fallback", "run_quark"]

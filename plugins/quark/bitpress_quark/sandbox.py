@@ -37,8 +37,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bitpress.toolkit.containment import ToolMessages
-from bitpress.toolkit.containment import contained as host_contained
+from bitpress.plugin import ToolMessages
+from bitpress.plugin import contained as host_contained
 
 log = logging.getLogger(__name__)
 #: Quark's own messages are re-emitted here (its INFO at DEBUG, WARNING at INFO, ERROR at WARNING)

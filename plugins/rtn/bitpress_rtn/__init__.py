@@ -5,7 +5,7 @@ The plugin supplies block solvers; the host's weight-only machinery does the gra
 
 from __future__ import annotations
 
-from bitpress import hookimpl
+from bitpress.plugin import hookimpl
 from bitpress_rtn.passes import Bnb4Pass, RtnPass
 
 __all__ = ["Bnb4Pass", "RtnPass"]
@@ -16,7 +16,7 @@ def bitpress_register_passes(register):
     register(RtnPass)
     register(Bnb4Pass)
     # Hugging Face (PyTorch) passes: their modules import torch only when they run
-    from bitpress.hf.passes import HfToOnnxPass
+    from bitpress.plugin import HfToOnnxPass
     from bitpress_rtn.hf_passes import RtnHfPass
 
     register(RtnHfPass)

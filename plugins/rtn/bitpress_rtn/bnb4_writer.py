@@ -13,14 +13,23 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from bitpress.errors import QuantizationError
-from bitpress.models.onnx_model import OnnxModel
-from bitpress.onnx.bnb4 import BNB4_QUANT_TYPES, dequantize_bnb4, quantize_bnb4
-from bitpress.onnx.graph import MS_DOMAIN
-from bitpress.onnx.kernels import bnb4_path
-from bitpress.onnx.weightonly import Group, Plan, Report, WeightOnlyOptions, plan, planned_report
-from bitpress.onnx.weightonly.report import Estimate
-from bitpress.passes import PassContext
+from bitpress.plugin import (
+    BNB4_QUANT_TYPES,
+    MS_DOMAIN,
+    Estimate,
+    Group,
+    OnnxModel,
+    PassContext,
+    Plan,
+    QuantizationError,
+    Report,
+    WeightOnlyOptions,
+    bnb4_path,
+    dequantize_bnb4,
+    plan,
+    planned_report,
+    quantize_bnb4,
+)
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from bitpress.hf.passes import HfQuantPass
-from bitpress.hf.rules import HfQuantOptions
-from bitpress.quant.solver import BlockSolver
+from bitpress.plugin import BlockSolver, HfQuantOptions, HfQuantPass
 from bitpress_rtn.solver import rtn_solver
 
 

@@ -5,13 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from bitpress.errors import QuantizationError
-from bitpress.models.onnx_model import OnnxModel
-from bitpress.onnx.weightonly import Plan, WeightOnlyOptions, WeightOnlyPass
-from bitpress.onnx.weightonly.report import Estimate, KernelOf
-from bitpress.options import option
-from bitpress.passes import PassContext
-from bitpress.quant.solver import BlockSolver, PackingKernel, check_block_size
+from bitpress.plugin import (
+    BlockSolver,
+    Estimate,
+    KernelOf,
+    OnnxModel,
+    PackingKernel,
+    PassContext,
+    Plan,
+    QuantizationError,
+    WeightOnlyOptions,
+    WeightOnlyPass,
+    check_block_size,
+    option,
+)
 from bitpress_rtn.solver import rtn_packing_kernel, rtn_solver
 
 
@@ -77,7 +84,7 @@ class Bnb4Pass(WeightOnlyPass):
 
     def kernel(self) -> KernelOf:
         """MatMulBnb4 has no fast form on CPU: ONNX Runtime dequantizes the whole weight on every call."""
-        from bitpress.onnx.kernels import bnb4_path
+        from bitpress.plugin import bnb4_path
 
         return lambda group: bnb4_path("cpu")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bitpress.quant.solver import BlockSpec, PackedBlocks, QuantizedBlocks
+from bitpress.plugin import BlockSpec, PackedBlocks, QuantizedBlocks
 
 
 def _roundf(x: np.ndarray) -> np.ndarray:

@@ -13,10 +13,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from bitpress import hookimpl
-from bitpress.onnx.weightonly import WeightOnlyOptions, WeightOnlyPass
-from bitpress.options import option
-from bitpress.quant.solver import BlockSolver, BlockSpec, QuantizedBlocks
+from bitpress.plugin import BlockSolver, BlockSpec, QuantizedBlocks, WeightOnlyOptions, WeightOnlyPass, hookimpl, option
 
 __version__ = "0.3.1"
 
