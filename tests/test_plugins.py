@@ -216,7 +216,7 @@ def test_pass_aliases(run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "aliases must be a tuple of identifiers" in reg.plugins["bad"].error
     assert set(reg.passes) == {"toy_static", "toy_other"} and set(reg.aliases) == {"OnnxStaticQuantization"}
     # passes list / show name them
-    monkeypatch.setattr("bitpress.cli._registry", lambda: reg)
+    monkeypatch.setattr("bitpress.cli.passes.registry", lambda: reg)
     code, out, _ = run_cli("passes", "show", "OnnxStaticQuantization")
     assert code == 0 and out.startswith("toy_static (plugin toy)") and "also called: OnnxStaticQuantization" in out
     code, out, _ = run_cli("passes", "list", "--json")
