@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import benchkit
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,16 +77,9 @@ def _child(src: Path, out: Path, options: dict, data: dict) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def _session(path: Path):
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-
-
 def tiny(folder: Path) -> None:
     from bitpress import synthetic
+    from bitpress.testing import output_error
 
     models = {"enc": synthetic.build_encoder(folder / "enc.onnx", hidden=64, layers=2),
               "dec": synthetic.build_decoder(folder / "dec.onnx", hidden=64, layers=2, heads=4, vocab=256),
@@ -94,14 +88,8 @@ def tiny(folder: Path) -> None:
     for name, (model, options) in TINY.items():
         out = folder / f"{name.replace(':', '_')}.onnx"
         row = _child(models[model], out, options, data)
-        if "error" not in row:
-            ref, quant = _session(models[model]), _session(out)
-            worst = 0.0
-            for seed in (123, 124):
-                feeds = synthetic.random_inputs(models[model], batch=2, seq=16, seed=seed)
-                a, b = ref.run(None, feeds)[0], quant.run(None, feeds)[0]
-                worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(a)))
-            row["rel_error"] = round(worst, 4)
+        if "error" not in row:  # the tests' error (tests/plugins/test_aimet.py)
+            row["rel_error"] = round(output_error(models[model], out), 4)
         print(json.dumps({"run": name, **row}), flush=True)
 
 
@@ -131,7 +119,7 @@ def minilm(folder: Path) -> None:
 
     def embed(path: Path) -> np.ndarray:
         """Each sentence alone (no padding: the calibration windows have none), mean-pooled, normalized."""
-        session = _session(path)
+        session = benchkit.session(path)
         names = {i.name for i in session.get_inputs()}
         rows = []
         for ids in sentences:

@@ -14,11 +14,14 @@ and cross-checked with the kernel's exact high-water mark of the largest single 
 
 from __future__ import annotations
 
+import argparse
+import datetime as dt
 import json
 import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -274,16 +277,27 @@ def find_onnx(output: Path) -> Path:
 
 
 # -- quality -----------------------------------------------------------------------------------
-def _session(path: Path) -> Any:
+def session(path: Path | str, *, threads: int | None = None, exact_qdq: bool = False) -> Any:
+    """A quiet ONNX Runtime CPU session of the saved model at ``path`` (ONNX Runtime is imported here, so
+    that benchkit imports in any environment).
+
+    ``threads``: its intra-op threads (default: ONNX Runtime's, every core). ``exact_qdq``: ONNX Runtime's own
+    ``DequantizeLinear -> MatMul`` fusion at float32 accuracy (``session.qdq_matmulnbits_accuracy_level=1``)
+    instead of its default int8 activations, so that a QDQ model computes what its graph says.
+    """
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    if threads is not None:
+        opts.intra_op_num_threads = threads
+    if exact_qdq:
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
 def run_logits(path: Path, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    sess = _session(path)
+    sess = session(path)
     out = sess.run(None, feeds)[0]
     del sess
     return np.asarray(out, dtype=np.float32)
@@ -623,7 +637,59 @@ def _tail(log: Path, lines: int = 5) -> str:
     return " | ".join(text[-lines:])
 
 
+def last_error(log: Path) -> str:
+    """The most telling line of a failed run's log: its last exception line, else its last line."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").replace("\r", "\n").splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error" in ln or "error:" in ln or ln.startswith("bitpress: "):
+            return ln[:400]
+    return lines[-1][:400] if lines else "(no output)"
+
+
+class Progress:
+    """A run's clock, and its log lines: ``[name   12.3s] message`` (seconds since the start), flushed."""
+
+    def __init__(self, name: str, width: int = 7) -> None:
+        self.name, self.width, self.start = name, width, time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{self.name} {self.elapsed():{self.width}.1f}s] {msg}", flush=True)
+
+
 # -- facts about the machine and the software -----------------------------------------------------------
+#: the CPU flags that decide how fast numpy / ORT / torch kernels run here
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+              "avx_vnni", "amx_bf16", "amx_int8", "asimd", "asimddp", "sve")
+
+
+def simd_flags() -> tuple[list[str], str]:
+    """The :data:`SIMD_FLAGS` this CPU has, and where ``bitpress.cpu`` read the CPU's flags."""
+    from bitpress.cpu import cpu_flags
+
+    flags = cpu_flags()
+    return [f for f in SIMD_FLAGS if f in flags.flags], flags.source
+
+
+def utc_now() -> str:
+    """The date and time a document is generated: ``2025-01-31 12:34 UTC``."""
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def git_state() -> str:
+    """The commit checked out, ``+ uncommitted changes`` when the work tree has any; ``unknown`` without git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{head}{' + uncommitted changes' if dirty else ''}"
+
+
 def machine_info() -> dict[str, Any]:
     mem = 0
     with open("/proc/meminfo") as f:
@@ -702,6 +768,24 @@ def fmt_ratio(x: float) -> str:
 
 
 # -- the documents the one-run comparisons write -------------------------------------------------------
+def doc_arguments(p: argparse.ArgumentParser, doc: Path) -> None:
+    """The options every document-writing script has: ``--out`` (default ``doc``) and ``--command``."""
+    p.add_argument("--out", type=Path, default=doc)
+    p.add_argument("--command", default=None, help="the command to record in the document")
+
+
+def doc_meta(script: str, args: argparse.Namespace, argv: Sequence[str] | None, progress: Progress,
+             python: Path, packages: Sequence[str], **extra: Any) -> dict[str, Any]:
+    """What :func:`provenance` and a document's footer say: the command (``args.command``, else ``python
+    bench/<script> <argv>``), date, total seconds so far, machine, :data:`SIMD_FLAGS`, git state, ``extra``, and
+    the versions of ``packages`` in the environment of ``python``."""
+    return {
+        "command": args.command or f"python bench/{script} " + shlex.join(argv or sys.argv[1:]),
+        "date": utc_now(), "total_s": progress.elapsed(), "machine": machine_info(),
+        "cpu_flags": simd_flags()[0], "git": git_state(), **extra, "versions": versions(python, packages),
+    }
+
+
 def cell(x: float | None, spec: str) -> str:
     """A table cell: ``x`` formatted, or ``-`` when it was not measured."""
     return "-" if x is None else format(x, spec)

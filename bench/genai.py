@@ -21,13 +21,10 @@ Every package keeps the builder's default ``accuracy_level`` (4 on CPU: int8 act
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import shlex
 import shutil
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,8 +99,8 @@ def rows_spec(calib: Path, tokenizer: Path, samples: int) -> list[tuple[str, str
 
 
 def generate(package: Path, tokenizer_dir: Path) -> str:
-    from bitpress.hf.genai_export import greedy
-    from bitpress.kvcache import load_tokenizer
+    from bitpress.calibration.text import load_tokenizer
+    from bitpress.genai.export import greedy
 
     tok = load_tokenizer(tokenizer_dir / "tokenizer.json")
     return tok.decode(greedy(package, tok.encode(PROMPT, add_special_tokens=False).ids, GEN_TOKENS))
@@ -114,14 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=gptq.SAMPLES, help="gptq_hf calibration windows")
     p.add_argument("--windows", type=int, default=gptq.WINDOWS, help="evaluation windows")
     p.add_argument("--only", default="", help="comma-separated row keys")
-    p.add_argument("--out", type=Path, default=DOC)
-    p.add_argument("--command", default=None)
+    benchkit.doc_arguments(p, DOC)
     args = p.parse_args(argv)
     os.environ.update(gptq.OFFLINE)
-    start = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"[genai {time.perf_counter() - start:7.1f}s] {msg}", flush=True)
+    log = benchkit.Progress("genai")
 
     import bitpress
 
@@ -146,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         pkg = out / hf.name
         if m.returncode or not (pkg / "genai_config.json").exists():
             row.status = "failed"
-            row.note = gptq.last_error(WORK / "logs" / f"{key}.log")
+            row.note = benchkit.last_error(WORK / "logs" / f"{key}.log")
             log(f"  failed: {row.note}")
             rows.append(row)
             continue
@@ -165,17 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  ok in {row.wall_s:.1f} s, {row.bytes / 1e6:.0f} MB, perplexity {row.perplexity}, "
             f"generated {row.generated!r}")
         rows.append(row)
-    from bitpress.cpu import cpu_flags
-
-    flags = cpu_flags()
-    meta = {
-        "command": args.command or "python bench/genai.py " + shlex.join(argv or sys.argv[1:]),
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "total_s": time.perf_counter() - start,
-        "machine": benchkit.machine_info(), "cpu_flags": [f for f in gptq.SIMD_FLAGS if f in flags.flags],
-        "git": quality.git_state(), "windows": args.windows, "samples": args.samples,
-        "versions": benchkit.versions(VENV_BIN / "python", ("bitpress", "onnxruntime", "onnxruntime-genai",
-                                                             "transformers", "torch")),
-    }
+    meta = benchkit.doc_meta("genai.py", args, argv, log, VENV_BIN / "python",
+                             ("bitpress", "onnxruntime", "onnxruntime-genai", "transformers", "torch"),
+                             windows=args.windows, samples=args.samples)
     benchkit.write_report(WORK, args.out, meta, rows, render)
     log(f"wrote {args.out}")
     return 0

@@ -15,12 +15,9 @@ Then ``bitpress.evaluate`` against the float graph (perplexity on the first ``--
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import shlex
 import shutil
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,14 +55,10 @@ class Row:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--windows", type=int, default=16, help="evaluation windows")
-    p.add_argument("--out", type=Path, default=DOC)
-    p.add_argument("--command", default=None)
+    benchkit.doc_arguments(p, DOC)
     args = p.parse_args(argv)
     os.environ.update(gptq.OFFLINE)
-    start = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"[gguf {time.perf_counter() - start:7.1f}s] {msg}", flush=True)
+    log = benchkit.Progress("gguf")
 
     import bitpress
 
@@ -93,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         m = benchkit.run_measured(cmd, WORK / "logs" / f"{key}.log", timeout=3600)
         row.wall_s, row.peak_rss = m.wall_s, m.peak_rss
         if m.returncode or not model.exists():
-            row.status, row.note = "failed", gptq.last_error(WORK / "logs" / f"{key}.log")
+            row.status, row.note = "failed", benchkit.last_error(WORK / "logs" / f"{key}.log")
         else:
             row.status, row.bytes = "ok", quality.model_bytes(model)
             models[key] = model
@@ -111,24 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         lg = res.logits()
         row.top1, row.rel_l2 = (lg.top1_agreement, lg.relative_l2) if lg else (None, None)
         if row.key == "bitpress":
-            from bitpress.hf.genai_export import greedy
-            from bitpress.kvcache import load_tokenizer
+            from bitpress.calibration.text import load_tokenizer
+            from bitpress.genai.export import greedy
 
             t = load_tokenizer(tok)
             row.generated = t.decode(greedy(models[row.key].parent, t.encode(PROMPT, add_special_tokens=False).ids,
                                             GEN_TOKENS))
         log(f"  {row.key}: perplexity {row.perplexity} ({row.change:+.3%}), generated {row.generated!r}")
-    from bitpress.cpu import cpu_flags
-
-    flags = cpu_flags()
-    meta = {
-        "command": args.command or "python bench/gguf_import.py " + shlex.join(argv or sys.argv[1:]),
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "total_s": time.perf_counter() - start,
-        "machine": benchkit.machine_info(), "cpu_flags": [f for f in gptq.SIMD_FLAGS if f in flags.flags],
-        "git": quality.git_state(), "windows": args.windows, "gguf": src.name, "gguf_bytes": src.stat().st_size,
-        "versions": benchkit.versions(VENV_BIN / "python", ("bitpress", "onnxruntime", "onnxruntime-genai",
-                                                             "mobius-onnx", "gguf", "transformers")),
-    }
+    meta = benchkit.doc_meta("gguf_import.py", args, argv, log, VENV_BIN / "python",
+                             ("bitpress", "onnxruntime", "onnxruntime-genai", "mobius-onnx", "gguf", "transformers"),
+                             windows=args.windows, gguf=src.name, gguf_bytes=src.stat().st_size)
     benchkit.write_report(WORK, args.out, meta, rows, render)
     log(f"wrote {args.out}")
     return 0

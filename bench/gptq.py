@@ -20,7 +20,6 @@ process tree); evaluation runs afterwards and is not timed.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import platform
@@ -47,9 +46,6 @@ SAMPLES = 32
 WINDOWS = 16
 TIMEOUT_S = 3 * 3600
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-#: the flags that decide how fast numpy / ORT / torch kernels run here
-SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-              "avx_vnni", "amx_bf16", "amx_int8", "asimd", "asimddp", "sve")
 
 
 # -- settings and tools -------------------------------------------------------------------------------
@@ -174,7 +170,7 @@ def make_windows(text: Path, tokenizer: Path, samples: int, windows: int) -> Win
     the first ``windows`` of the whole text. Refuses when the two would overlap."""
     import numpy as np
 
-    from bitpress.kvcache import load_tokenizer, token_windows, tokenize
+    from bitpress.calibration.text import load_tokenizer, token_windows, tokenize
 
     WORK.mkdir(parents=True, exist_ok=True)
     lines = text.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -224,15 +220,6 @@ class Row:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def last_error(log: Path) -> str:
-    """The most telling line of a failed run's log: its last exception line, else its last line."""
-    lines = [ln.strip() for ln in log.read_text(errors="replace").replace("\r", "\n").splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if "Error" in ln or "error:" in ln or ln.startswith("bitpress: "):
-            return ln[:400]
-    return lines[-1][:400] if lines else "(no output)"
-
-
 def run_tool(tool: Tool, s: Setting, ctx: Ctx, log: Callable[[str], None]) -> tuple[Row, Path]:
     out = WORK / "out" / f"{tool.key}-{s.key}"
     shutil.rmtree(out, ignore_errors=True)
@@ -250,7 +237,7 @@ def run_tool(tool: Tool, s: Setting, ctx: Ctx, log: Callable[[str], None]) -> tu
                  "kernel_maxrss": m.kernel_maxrss, "sampled_peak": m.sampled_peak}
     if m.returncode != 0:
         row.status = "failed"
-        row.note = last_error(logfile) if m.returncode not in (-9, 137) or m.wall_s < TIMEOUT_S else \
+        row.note = benchkit.last_error(logfile) if m.returncode not in (-9, 137) or m.wall_s < TIMEOUT_S else \
             f"killed after {TIMEOUT_S} s"
     log(f"  {row.status} in {m.wall_s:.1f} s, peak RSS {m.peak_rss / 1e6:.0f} MB {row.note}")
     return row, out
@@ -309,7 +296,7 @@ def big_check(log: Callable[[str], None], samples: int, seq: int) -> dict[str, A
     res = {"model": str(path.relative_to(BENCH)), "model_bytes": size, "build_s": built, "wall_s": m.wall_s,
            "peak_rss": m.peak_rss, "peak_anon": m.peak_anon, "peak_file": m.peak_file, "ratio": m.peak_rss / size,
            "returncode": m.returncode, "command": shlex.join(argv), "log": str(logfile.relative_to(ROOT)),
-           "error": last_error(logfile) if m.returncode else "", "samples": samples, "seq_len": seq}
+           "error": benchkit.last_error(logfile) if m.returncode else "", "samples": samples, "seq_len": seq}
     log(f"  bench-4gb: rc {m.returncode}, {m.wall_s:.0f} s, peak RSS {m.peak_rss / 1e9:.2f} GB = "
         f"{res['ratio']:.2f} x the model's {size / 1e9:.2f} GB")
     shutil.rmtree(out, ignore_errors=True)
@@ -408,7 +395,7 @@ def render(meta: dict[str, Any], rows: list[Row], big: dict[str, Any] | None) ->
         "Face folder for the PyTorch tools.",
         f"- **Calibration**: {meta['samples']} windows of {SEQ_LEN} tokens from the END of gensim's "
         f"`lee_background.cor` (its lines {meta['calib_first_line'] + 1}-{meta['lines']}, written to "
-        f"`{meta['calib_text']}`); ONNX Runtime's GPTQ gets them as feeds from `bitpress.data.iter_feeds`, "
+        f"`{meta['calib_text']}`); ONNX Runtime's GPTQ gets them as feeds from `bitpress.calibration.data.iter_feeds`, "
         "bitpress from `--data` / `--tokenizer`, llm-compressor as a dataset of the same token ids: the same windows "
         "for every tool.",
         f"- **Evaluation**: perplexity on the first {w} windows of {SEQ_LEN} tokens of the same text "
@@ -536,8 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--big", action="store_true", help="also the bench-4gb memory check (~11 min on 2 cores)")
     p.add_argument("--big-samples", type=int, default=4)
     p.add_argument("--big-seq-len", type=int, default=64)
-    p.add_argument("--out", type=Path, default=DOC)
-    p.add_argument("--command", default=None, help="the command to record in the document")
+    benchkit.doc_arguments(p, DOC)
     p.add_argument("--keep", action="store_true", help=f"keep the quantized models under {WORK / 'out'}")
     p.add_argument("--render-only", action="store_true")
     p.add_argument("--merge", action="store_true",
@@ -554,10 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     if not tools and not args.big:
         p.error(f"--tools takes {', '.join(TOOL)}")
     os.environ.update(OFFLINE)
-    start, load0 = time.perf_counter(), os.getloadavg()[0]
-
-    def log(msg: str) -> None:
-        print(f"[gptq {time.perf_counter() - start:7.1f}s] {msg}", flush=True)
+    log, load0 = benchkit.Progress("gptq"), os.getloadavg()[0]
 
     inputs = quality.locate({"smollm2"})
     c = quality.realmodels()
@@ -620,16 +603,14 @@ def main(argv: list[str] | None = None) -> int:
         merged_from = old["meta"]["date"] if kept else ""
         order = {t: i for i, t in enumerate(TOOL)}
         rows.sort(key=lambda r: (r.kind != "onnx", r.setting, order.get(r.tool, 99)))
-    from bitpress.cpu import cpu_flags
-
-    flags = cpu_flags()
+    cpu_flags, cpu_flags_source = benchkit.simd_flags()
     meta = {
         "command": args.command or "python bench/gptq.py " + shlex.join(argv),
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "total_s": time.perf_counter() - start, "load": [load0, os.getloadavg()[0]],
+        "date": benchkit.utc_now(),
+        "total_s": log.elapsed(), "load": [load0, os.getloadavg()[0]],
         "machine": benchkit.machine_info(), "platform": platform.platform(terse=True),
-        "cpu_flags": [f for f in SIMD_FLAGS if f in flags.flags], "cpu_flags_source": flags.source,
-        "git": quality.git_state(), "samples": args.samples, "windows": args.windows,
+        "cpu_flags": cpu_flags, "cpu_flags_source": cpu_flags_source,
+        "git": benchkit.git_state(), "samples": args.samples, "windows": args.windows,
         "calib_text": str(win.calib_text.relative_to(ROOT)), "calib_first_line": win.calib_first_line,
         "lines": win.lines, "eval_tokens": win.eval_tokens_needed, "tokens_before_calib": win.tokens_before_calib,
         "float_onnx": float_onnx, "float_hf": float_hf, "hf_note": hf_note, "notes": peer_notes(rows),

@@ -18,21 +18,17 @@ checkpoint and both outputs afterwards.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import json
 import shlex
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import benchkit
-import gptq
 import numpy as np
-import quality
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -137,13 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-gb", type=float, default=8.0, help="float32 weights of the synthetic checkpoint")
     p.add_argument("--jobs", type=int, default=None, help="worker threads (default: all cores)")
     p.add_argument("--clean", action="store_true", help="delete the checkpoint and the outputs afterwards")
-    p.add_argument("--out", type=Path, default=DOC)
-    p.add_argument("--command", default=None)
+    benchkit.doc_arguments(p, DOC)
     args = p.parse_args(argv)
-    start = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"[hf-streaming {time.perf_counter() - start:7.1f}s] {msg}", flush=True)
+    log = benchkit.Progress("hf-streaming")
 
     layers = layers_for(args.size_gb)
     ckpt = WORK / "ckpt"
@@ -164,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         row.wall_s, row.peak_rss, row.kernel_maxrss = m.wall_s, m.peak_rss, m.kernel_maxrss
         row.peak_anon, row.peak_file = m.peak_anon, m.peak_file
         if m.returncode or not (out / ckpt.name).is_dir():
-            row.status, row.note = "failed", gptq.last_error(WORK / "logs" / f"{key}.log")
+            row.status, row.note = "failed", benchkit.last_error(WORK / "logs" / f"{key}.log")
         else:
             row.status, row.bytes = "ok", benchkit.tree_size(out / ckpt.name)
             outputs[key] = out / ckpt.name
@@ -174,18 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(outputs) == 2:
         identical = digest(outputs["stream"]) == digest(outputs["memory"])
         log(f"outputs identical: {identical}")
-    from bitpress.cpu import cpu_flags
-
-    flags = cpu_flags()
-    meta = {
-        "command": args.command or "python bench/hf_streaming.py " + shlex.join(argv or sys.argv[1:]),
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "total_s": time.perf_counter() - start,
-        "machine": benchkit.machine_info(), "cpu_flags": [f for f in gptq.SIMD_FLAGS if f in flags.flags],
-        "git": quality.git_state(), "layers": layers, "shape": SHAPE, "checkpoint_bytes": ckpt_bytes,
-        "shards": len(shards), "identical": identical, "jobs": args.jobs,
-        "config": json.loads((ckpt / "config.json").read_text()).get("model_type"),
-        "versions": benchkit.versions(VENV_BIN / "python", ("bitpress", "torch", "transformers", "safetensors")),
-    }
+    meta = benchkit.doc_meta("hf_streaming.py", args, argv, log, VENV_BIN / "python",
+                             ("bitpress", "torch", "transformers", "safetensors"),
+                             layers=layers, shape=SHAPE, checkpoint_bytes=ckpt_bytes, shards=len(shards),
+                             identical=identical, jobs=args.jobs,
+                             config=json.loads((ckpt / "config.json").read_text()).get("model_type"))
     benchkit.write_report(WORK, args.out, meta, rows, render)
     log(f"wrote {args.out}")
     if args.clean:

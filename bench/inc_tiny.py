@@ -14,10 +14,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
-import onnxruntime as ort
-
 from bitpress import synthetic
+from bitpress.testing import output_error
 
 DATA = {"source": "random", "samples": 8, "seq_len": 32}
 #: case -> (pass, options, needs data)
@@ -55,19 +53,6 @@ def build_models(folder: Path) -> dict[str, Path]:
     }
 
 
-def rel_error(src: Path, out: Path) -> float:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    ref = ort.InferenceSession(str(src), opts, providers=["CPUExecutionProvider"])
-    quant = ort.InferenceSession(str(out), opts, providers=["CPUExecutionProvider"])
-    worst = 0.0
-    for seed in (123, 124):
-        feeds = synthetic.random_inputs(src, batch=2, seq=16, seed=seed)
-        a, b = ref.run(None, feeds)[0], quant.run(None, feeds)[0]
-        worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(a)))
-    return worst
-
-
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in ("quantize", "errors"):
         print(__doc__)
@@ -90,7 +75,7 @@ def main(argv: list[str]) -> int:
         for m, src in models.items():
             q = out / f"{case}.{m}.onnx"
             if q.exists():
-                print(f"{case:30s} {m:8s} {rel_error(src, q):.4f}", flush=True)
+                print(f"{case:30s} {m:8s} {output_error(src, q):.4f}", flush=True)
     return 0
 
 

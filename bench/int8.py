@@ -231,12 +231,7 @@ def _last_error(log: Path) -> str:
 
 
 def _session(path: Path) -> Any:
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.intra_op_num_threads = 1
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    return benchkit.session(path, threads=1)
 
 
 def synthetic_judge(src: Path) -> Callable[[Path], dict[str, float]]:

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import benchkit
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,12 +170,7 @@ def build_models(names: list[str], work: Path, env_python: Path) -> dict[str, di
 
 # -- scoring -----------------------------------------------------------------------------------------------
 def _session(path: Path) -> Any:
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    return benchkit.session(path, exact_qdq=True)
 
 
 def score(model: dict[str, Any], out: Path) -> dict[str, Any]:

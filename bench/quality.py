@@ -28,7 +28,6 @@ Results are also written to ``bench/.work/quality/results.json``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib.metadata as md
 import json
 import math
@@ -37,13 +36,14 @@ import platform
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import benchkit
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -222,7 +222,6 @@ def export_minilm_l6(folder: Path, out: Path) -> None:
     with and without padding, and the largest difference is recorded in ``bitpress_export.json``.
     """
     import numpy as np
-    import onnxruntime as ort
     import torch
     from tokenizers import Tokenizer
     from transformers import AutoModel
@@ -260,9 +259,7 @@ def export_minilm_l6(folder: Path, out: Path) -> None:
             dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
                           "last_hidden_state": {0: "batch", 1: "sequence"}},
         )
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(str(out / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+    sess = benchkit.session(out / "model.onnx")
     worst = 0.0
     batches = (["One sentence alone."],
                ["Three sentences", "of different lengths, checked", "against torch after the export, with padding."])
@@ -437,12 +434,7 @@ def minilm_batch(tokenizer: Path, lines: list[str]) -> dict[str, Any]:
 
 def token_states(path: Path, feeds: dict[str, Any]) -> Any:
     """The ``[batch, seq, 384]`` output (last_hidden_state, whatever the export named it)."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.intra_op_num_threads = 1
-    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    sess = benchkit.session(path, threads=1)
     outputs = [o for o in sess.run(None, feeds) if o.ndim == 3 and o.shape[-1] == MINILM_HIDDEN]
     if len(outputs) != 1:
         raise SystemExit(f"{path}: expected one [batch, seq, {MINILM_HIDDEN}] output")
@@ -631,17 +623,6 @@ def checks(results: dict[str, list[Row]]) -> list[str]:
 TITLES = {"smollm2": "SmolLM2-135M", "minilm-l3": "MiniLM-L3", "minilm-l6": "MiniLM-L6"}
 
 
-def git_state() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True,
-                               check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return f"{head}{' + uncommitted changes' if dirty else ''}"
-
-
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -755,7 +736,7 @@ def render(meta: dict[str, Any], results: dict[str, list[Row]]) -> str:
 # -- main ----------------------------------------------------------------------------------------------------
 def setup_calibration(inputs: Inputs, chosen: set[str], n_sentences: int, windows: int, samples: int) -> str:
     """Fill CALIBRATION for the chosen models; a sentence for the document ("" when no method calibrates)."""
-    from bitpress.data import DataConfig
+    from bitpress.calibration.data import DataConfig
 
     if not any(m.algorithm in CALIBRATED for m in METHODS):
         return ""
@@ -804,11 +785,8 @@ def main(argv: list[str] | None = None) -> int:
     if not chosen or chosen - set(MODELS):
         parser.error(f"--only takes {', '.join(MODELS)}")
     os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    start = time.perf_counter()
+    log = benchkit.Progress("quality", width=6)
     load_start = os.getloadavg()[0]
-
-    def log(msg: str) -> None:
-        print(f"[quality {time.perf_counter() - start:6.1f}s] {msg}", flush=True)
 
     inputs = locate(chosen)
     log("inputs: " + "; ".join(f"{k}: {v}" for k, v in inputs.builds.items()))
@@ -837,10 +815,10 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "command": args.command or "python bench/quality.py " + shlex.join(argv),
         "argv": shlex.join(["python", "bench/quality.py", *argv]),
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "total_s": time.perf_counter() - start, "load": [load_start, os.getloadavg()[0]],
+        "date": benchkit.utc_now(),
+        "total_s": log.elapsed(), "load": [load_start, os.getloadavg()[0]],
         "cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(terse=True),
-        "python": platform.python_version(), "git": git_state(), "builds": inputs.builds,
+        "python": platform.python_version(), "git": benchkit.git_state(), "builds": inputs.builds,
         "versions": {d: md.version(d) for d in VERSIONED if _installed(d)},
         "windows": args.windows, "sentences": args.sentences, "calibration": calibration,
     }

@@ -14,19 +14,15 @@ threads (below 1 means slower) on this machine.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import shlex
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import benchkit
-import gptq
-import quality
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -82,13 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="runs of each executor (the best time counts)")
     p.add_argument("--big", action="store_true", help=f"also {BIG} (4.6 GB, external data)")
     p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
-    p.add_argument("--out", type=Path, default=DOC)
-    p.add_argument("--command", default=None)
+    benchkit.doc_arguments(p, DOC)
     args = p.parse_args(argv)
-    start = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"[ray {time.perf_counter() - start:7.1f}s] {msg}", flush=True)
+    log = benchkit.Progress("ray")
 
     rows: list[Row] = []
     for name in (*MODELS, *((BIG,) if args.big else ())):
@@ -107,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                     m = benchkit.run_measured(cmd, logfile, timeout=3600)
                     row = pair.setdefault(executor, Row(name, algo, executor, shlex.join(cmd)))
                     if m.returncode or not out.exists():
-                        row.status, row.note = "failed", gptq.last_error(logfile)
+                        row.status, row.note = "failed", benchkit.last_error(logfile)
                     elif row.status != "failed":
                         digest = _digest(out)
                         if row.digest not in (None, digest):
@@ -122,16 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             if t.digest and r.digest:
                 r.identical = t.digest == r.digest
             rows.extend((t, r))
-    from bitpress.cpu import cpu_flags
-
-    flags = cpu_flags()
-    meta = {
-        "command": args.command or "python bench/ray_executor.py " + shlex.join(argv or sys.argv[1:]),
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "total_s": time.perf_counter() - start,
-        "machine": benchkit.machine_info(), "cpu_flags": [f for f in gptq.SIMD_FLAGS if f in flags.flags],
-        "git": quality.git_state(), "jobs": args.jobs, "repeats": args.repeats,
-        "versions": benchkit.versions(ROOT / ".venv" / "bin" / "python", ("bitpress", "ray", "numpy")),
-    }
+    meta = benchkit.doc_meta("ray_executor.py", args, argv, log, ROOT / ".venv" / "bin" / "python",
+                             ("bitpress", "ray", "numpy"), jobs=args.jobs, repeats=args.repeats)
     benchkit.write_report(WORK, args.out, meta, rows, render)
     log(f"wrote {args.out}")
     return 0

@@ -30,7 +30,6 @@ where the differences come from. Then the targets of issue 26 are checked line b
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import shlex
@@ -183,7 +182,7 @@ def locate(family: str, reuse: bool) -> Inputs:
             builds["gemma3-float"] = f"built in {t:.0f} s"
         else:
             builds["gemma3-float"] = f"reused ({pkg.relative_to(ROOT)})"
-    from bitpress.data import DataConfig
+    from bitpress.calibration.data import DataConfig
 
     calib_text = quality.calibration_text(text, quality.sentences(text, quality.SENTENCES),
                                           quality.WINDOWS * quality.SEQ_LEN)
@@ -755,8 +754,8 @@ def main(argv: list[str] | None = None) -> int:
     kernel_rows = kernel_table(1, args.runs)
     meta.update({
         "command": args.command or "python bench/speed.py " + shlex.join(argv),
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "wall_min": (time.perf_counter() - t_start) / 60, "source": quality.git_state(),
+        "date": benchkit.utc_now(),
+        "wall_min": (time.perf_counter() - t_start) / 60, "source": benchkit.git_state(),
     })
     WORK.mkdir(parents=True, exist_ok=True)
     results_file.write_text(json.dumps({"meta": meta, "results": {f: [asdict(r) for r in rows]

@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 # @pytest.mark.own_process (tests whose libraries may end the process: Ray's driver)
 from own_process import pytest_configure, pytest_runtest_logreport, pytest_runtest_protocol  # noqa: F401
 
-from bitpress import synthetic
+from bitpress import synthetic, testing
 from bitpress.plugins import Registry
 
 # Plugin environments a developer created (~/.cache/bitpress/envs) must not leak into the tests:
@@ -85,17 +84,10 @@ def sha256_tree() -> Callable[[Path], dict[str, str]]:
     return _sha256_tree
 
 
-def _ort_outputs(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)
-
-
 @pytest.fixture(scope="session")
 def ort_outputs() -> Callable[[Path, dict[str, np.ndarray]], list[np.ndarray]]:
     """``ort_outputs(model_path, feeds)``: every output of a CPU ONNX Runtime session."""
-    return _ort_outputs
+    return testing.ort_outputs
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
     python peers/ort_gptq.py MODEL_DIR_OR_ONNX OUT_DIR --data TEXT --tokenizer DIR --samples 32
     python peers/ort_gptq.py MODEL_DIR_OR_ONNX OUT_DIR --rtn    # ORT's RTN (DefaultWeightOnlyQuantConfig), no data
 
-The calibration feeds are built by ``bitpress.data.iter_feeds`` (windows of ``--seq-len`` tokens
+The calibration feeds are built by ``bitpress.calibration.data.iter_feeds`` (windows of ``--seq-len`` tokens
 of the text, KV-cache inputs fed empty as ``bitpress quantize --data`` feeds them), so this tool
 and bitpress see the very same token windows. A GenAI folder is written as a GenAI folder: the
 quantized decoder under the input's file name, every other file of the folder copied.
@@ -32,7 +32,7 @@ def decoder_path(model: Path) -> Path:
 def calibration_feeds(onnx_path: Path, text: Path, tokenizer: Path, samples: int, seq_len: int) -> list[dict[str, Any]]:
     import onnx
 
-    from bitpress.data import DataConfig, iter_feeds
+    from bitpress.calibration.data import DataConfig, iter_feeds
 
     proto = onnx.load(str(onnx_path), load_external_data=False)
     config = DataConfig(source=str(text), tokenizer=str(tokenizer), samples=samples, seq_len=seq_len)

@@ -21,7 +21,6 @@ random data set, .005 with another), which would hide the techniques' effect.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import importlib.util
 import json
@@ -34,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
@@ -45,6 +43,7 @@ from bitpress import synthetic
 from bitpress.api import quantize
 from bitpress.cpu import int8_saturates
 from bitpress.errors import OptionError, QuantizationError, UsageError
+from bitpress.testing import attrs, initializer_protos, initializers, load_proto, op_counts, output_error
 
 #: calibration data: the host's random source, 8 samples of 32 tokens
 DATA = {"source": "random", "samples": 8, "seq_len": 32}
@@ -65,42 +64,14 @@ def _run(src: Path, tmp_path: Path, name: str, /, data: object = DATA, **options
     return out
 
 
-def _model(path: Path) -> onnx.ModelProto:
-    return onnx.load(str(path))
-
-
-def _ops(path: Path) -> collections.Counter[str]:
-    return collections.Counter(n.op_type for n in _model(path).graph.node)
-
-
-def _session(path: Path) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-
-
-def _rel_error(src: Path, out: Path) -> float:
-    ref, quant = _session(src), _session(out)
-    worst = 0.0
-    for seed in (123, 124):
-        feeds = synthetic.random_inputs(src, batch=2, seq=16, seed=seed)
-        a, b = ref.run(None, feeds)[0], quant.run(None, feeds)[0]
-        worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(a)))
-    return worst
-
-
-def _inits(path: Path) -> dict[str, onnx.TensorProto]:
-    return {t.name: t for t in _model(path).graph.initializer}
-
-
 def _weight_dqs(path: Path) -> list[tuple[onnx.NodeProto, onnx.TensorProto]]:
     """The DequantizeLinear of each linear weight (x: its integers), with that initializer.
 
     A weight reaches its MatMul / Gemm (input 1) from the DequantizeLinear directly or through a
     Transpose (the tied LM head); embedding tables and LPBQ's block scales are not counted.
     """
-    model = _model(path)
-    inits = _inits(path)
+    model = load_proto(path)
+    inits = initializer_protos(path)
     producers = {o: n for n in model.graph.node for o in n.output}
     out = []
     for node in model.graph.node:
@@ -118,12 +89,8 @@ def _int_weights(path: Path) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for _, t in _weight_dqs(path)}
 
 
-def _attr(node: onnx.NodeProto, name: str) -> object:
-    return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
-
-
 def _linear_weight_nodes(path: Path) -> list[str]:
-    model = _model(path)
+    model = load_proto(path)
     inits = {t.name for t in model.graph.initializer}
     return [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in inits]
 
@@ -251,44 +218,44 @@ INT8_BOUND = {"enc": (0.05, 0.05), "dec": (0.045, 0.15)}  # (VNNI, AVX2)
 def test_static_int8_default(tiny_encoder: Path, tiny_decoder: Path, tmp_path: Path) -> None:
     for which, src in (("enc", tiny_encoder), ("dec", tiny_decoder)):
         out = _run(src, tmp_path, which)
-        ops = _ops(out)
+        ops = op_counts(out)
         assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > ops["QuantizeLinear"]
         weights = [t for _, t in _weight_dqs(out)]
         assert weights and all(t.data_type == onnx.TensorProto.INT8 for t in weights)
         # every linear weight quantized, per output channel
         assert len(weights) >= len(_linear_weight_nodes(src))
-        assert {o.domain for o in _model(out).opset_import} <= {"", "ai.onnx"}
+        assert {o.domain for o in load_proto(out).opset_import} <= {"", "ai.onnx"}
         bound = INT8_BOUND[which][1 if int8_saturates() else 0]
-        assert 1e-3 < _rel_error(src, out) < bound, which
+        assert 1e-3 < output_error(src, out) < bound, which
 
 
 def test_precision_and_activation_types(tiny_encoder: Path, tmp_path: Path) -> None:
     # measured: int16 weights + uint16 activations .014; int8 + fp16 .003; int4 + fp16 .005 (1 layer)
     out = _run(tiny_encoder, tmp_path, "w16a16", precision="int16", activation_type="uint16")
     assert {t.data_type for _, t in _weight_dqs(out)} == {onnx.TensorProto.INT16}
-    zero_points = [t for t in _model(out).graph.initializer if t.name.endswith("_zero_point") and not t.dims]
+    zero_points = [t for t in load_proto(out).graph.initializer if t.name.endswith("_zero_point") and not t.dims]
     assert onnx.TensorProto.UINT16 in {t.data_type for t in zero_points}
-    assert _rel_error(tiny_encoder, out) < 0.021
+    assert output_error(tiny_encoder, out) < 0.021
     out = _run(tiny_encoder, tmp_path, "w8fp16", activation_type="fp16")
-    ops = _ops(out)
+    ops = op_counts(out)
     assert ops["QuantizeLinear"] == 0  # no activation quantized: weights (and embedding tables) only
     assert len(_weight_dqs(out)) == len(_linear_weight_nodes(tiny_encoder))
-    assert _rel_error(tiny_encoder, out) < 0.0045
+    assert output_error(tiny_encoder, out) < 0.0045
     out = _run(tiny_encoder, tmp_path, "tfe", quant_scheme="tf_enhanced")
-    assert _ops(out)["QuantizeLinear"] > 0 and _rel_error(tiny_encoder, out) < 0.05  # measured .032
+    assert op_counts(out)["QuantizeLinear"] > 0 and output_error(tiny_encoder, out) < 0.05  # measured .032
 
 
 def test_op_types_and_nodes_to_exclude(tiny_encoder: Path, tmp_path: Path) -> None:
-    model = _model(tiny_encoder)
+    model = load_proto(tiny_encoder)
     gemms = [n.name for n in model.graph.node if n.op_type == "Gemm"]
     out = _run(tiny_encoder, tmp_path, "nogemm", op_types_to_exclude=["Gemm"])
-    quantized_b = {n.name for n in _model(out).graph.node if n.op_type == "Gemm" and n.input[1].endswith("_qdq")}
+    quantized_b = {n.name for n in load_proto(out).graph.node if n.op_type == "Gemm" and n.input[1].endswith("_qdq")}
     assert len(gemms) == 4 and not quantized_b, "Gemm weights must stay float"
     assert len(_weight_dqs(out)) == len(_linear_weight_nodes(tiny_encoder)) - 4
     out = _run(tiny_encoder, tmp_path, "onenode", nodes_to_exclude=[gemms[0]])
     assert len(_weight_dqs(out)) == len(_linear_weight_nodes(tiny_encoder)) - 1
-    float_b = next(n for n in _model(out).graph.node if n.name == gemms[0]).input[1]
-    assert float_b in _inits(out) and _inits(out)[float_b].data_type == onnx.TensorProto.FLOAT
+    float_b = next(n for n in load_proto(out).graph.node if n.name == gemms[0]).input[1]
+    assert float_b in initializer_protos(out) and initializer_protos(out)[float_b].data_type == onnx.TensorProto.FLOAT
     with pytest.raises(UsageError, match="op_types_to_exclude: the model has no Conv nodes"):
         _run(tiny_encoder, tmp_path, "bad", op_types_to_exclude=["Conv"])
     with pytest.raises(UsageError, match=r"nodes_to_exclude: the model has no node named .*Gemmx \(did you mean"):
@@ -299,13 +266,13 @@ def test_op_types_and_nodes_to_exclude(tiny_encoder: Path, tmp_path: Path) -> No
 def test_tied_embedding_stays_one_tensor(tiny_decoder: Path, tmp_path: Path) -> None:
     """AIMET refuses a weight shared by a Gather and a MatMul; the output uses one quantized table for both."""
     out = _run(tiny_decoder, tmp_path, "tied", **W4)
-    model = _model(out)
+    model = load_proto(out)
     gather = next(n for n in model.graph.node if n.op_type == "Gather")
     head = next(n for n in model.graph.node if n.name == "/lm_head/Transpose")
     assert gather.input[0] == head.input[0]
     producer = next(n for n in model.graph.node if gather.input[0] in n.output)
     assert producer.op_type == "DequantizeLinear"
-    table = _inits(out)[producer.input[0]]
+    table = initializer_protos(out)[producer.input[0]]
     assert table.name == "model.embed_tokens.weight_q" and table.data_type == onnx.TensorProto.INT4
     assert list(table.dims) == [256, 64]
     assert not [t.name for t in model.graph.initializer if "bitpress_tied" in t.name]
@@ -332,29 +299,29 @@ DEC_INT4 = 0.128
 
 def _assert_lpbq(path: Path, block: int) -> int:
     """LPBQ weights: int4 blocks whose scales are uint8 integers times a float per-channel scale."""
-    model = _model(path)
+    model = load_proto(path)
     producers = {o: n for n in model.graph.node for o in n.output}
-    inits = _inits(path)
+    inits = initializer_protos(path)
     lpbq = 0
     for node, weight in _weight_dqs(path):
-        if _attr(node, "block_size") is None:
+        if attrs(node).get("block_size") is None:
             continue
         lpbq += 1
-        assert weight.data_type == onnx.TensorProto.INT4 and _attr(node, "block_size") == block
+        assert weight.data_type == onnx.TensorProto.INT4 and attrs(node).get("block_size") == block
         scale = producers[node.input[1]]  # the block scales are themselves dequantized
         assert scale.op_type == "DequantizeLinear"
         ints, per_channel = inits[scale.input[0]], inits[scale.input[1]]
         assert ints.data_type == onnx.TensorProto.UINT8 and per_channel.data_type == onnx.TensorProto.FLOAT
-        assert list(ints.dims)[_attr(node, "axis")] == weight.dims[_attr(node, "axis")] // block
+        assert list(ints.dims)[attrs(node).get("axis")] == weight.dims[attrs(node).get("axis")] // block
     return lpbq
 
 
 def test_lpbq(tiny_decoder: Path, tmp_path: Path) -> None:
     out = _run(tiny_decoder, tmp_path, "lpbq", **W4, techniques=[{"name": "lpbq", "block_size": 16}])
     assert _assert_lpbq(out, 16) == 15  # 7 linears x 2 layers and the (tied) head
-    assert _rel_error(tiny_decoder, out) < 0.9 * DEC_INT4  # finer than per-channel: measured .103
-    assert "ai.onnx" not in {o.domain for o in _model(out).opset_import}
-    assert max(o.version for o in _model(out).opset_import if o.domain in ("", "ai.onnx")) >= 21
+    assert output_error(tiny_decoder, out) < 0.9 * DEC_INT4  # finer than per-channel: measured .103
+    assert "ai.onnx" not in {o.domain for o in load_proto(out).opset_import}
+    assert max(o.version for o in load_proto(out).opset_import if o.domain in ("", "ai.onnx")) >= 21
 
 
 def test_lpbq_options(tiny_decoder: Path, tmp_path: Path) -> None:
@@ -362,9 +329,9 @@ def test_lpbq_options(tiny_decoder: Path, tmp_path: Path) -> None:
     out = _run(tiny_decoder, tmp_path, "lpbq2", precision="int4", techniques=[
         {"name": "lpbq", "block_size": 32, "nodes_to_exclude": [excluded]}])
     assert _assert_lpbq(out, 32) == 14
-    down = next(n for n in _model(out).graph.node if n.name == excluded)
-    dq = next(n for n in _model(out).graph.node if down.input[1] in n.output)
-    assert _attr(dq, "block_size") is None and _attr(dq, "axis") is not None  # per-channel
+    down = next(n for n in load_proto(out).graph.node if n.name == excluded)
+    dq = next(n for n in load_proto(out).graph.node if down.input[1] in n.output)
+    assert attrs(dq).get("block_size") is None and attrs(dq).get("axis") is not None  # per-channel
     with pytest.raises(UsageError, match="lpbq with block_size=48 applies to no weight"):
         _run(tiny_decoder, tmp_path, "bad", precision="int4", techniques=[{"name": "lpbq", "block_size": 48}])
     with pytest.raises(UsageError, match="lpbq op_types Conv: the model has none of them"):
@@ -376,11 +343,11 @@ def test_seqmse_beats_per_channel_and_depends_on_data(tiny_decoder: Path, tmp_pa
     plain = _run(tiny_decoder, tmp_path, "plain", **W4)
     seq = _run(tiny_decoder, tmp_path, "seq", **W4, techniques=[{"name": "seqmse"}])
     seq_other = _run(tiny_decoder, tmp_path, "seq_other", OTHER_DATA, **W4, techniques=[{"name": "seqmse"}])
-    e_plain, e_seq, e_other = (_rel_error(tiny_decoder, p) for p in (plain, seq, seq_other))
+    e_plain, e_seq, e_other = (output_error(tiny_decoder, p) for p in (plain, seq, seq_other))
     assert e_plain < 1.5 * DEC_INT4
     assert e_seq < 0.97 * e_plain and e_other < 0.97 * e_plain, (e_plain, e_seq, e_other)  # measured .926, .935
     # SeqMSE picks the weight scales from the data: other data, other scales
-    scales = [{n.input[1]: numpy_helper.to_array(_inits(p)[n.input[1]]) for n, _ in _weight_dqs(p)}
+    scales = [{n.input[1]: numpy_helper.to_array(initializer_protos(p)[n.input[1]]) for n, _ in _weight_dqs(p)}
               for p in (plain, seq, seq_other)]
     assert scales[0].keys() == scales[1].keys() == scales[2].keys()
     assert sum(not np.allclose(scales[1][k], scales[2][k]) for k in scales[1]) > len(scales[1]) // 2
@@ -391,7 +358,7 @@ def test_lpbq_then_seqmse(tiny_decoder: Path, tmp_path: Path) -> None:
     out = _run(tiny_decoder, tmp_path, "lpbq_seq", **W4,
                techniques=[{"name": "lpbq", "block_size": 16}, {"name": "seqmse", "num_candidates": 20}])
     assert _assert_lpbq(out, 16) == 15
-    assert _rel_error(tiny_decoder, out) < 0.86 * DEC_INT4  # measured .100 (LPBQ alone .103)
+    assert output_error(tiny_decoder, out) < 0.86 * DEC_INT4  # measured .100 (LPBQ alone .103)
 
 
 # -- AdaRound -------------------------------------------------------------------------------------
@@ -402,7 +369,7 @@ def test_adaround_beats_nearest_and_depends_on_data(encoder1: Path, tmp_path: Pa
     plain = _run(encoder1, tmp_path, "plain", **W4)
     rounded = _run(encoder1, tmp_path, "ada", **W4, techniques=ada)
     rounded_other = _run(encoder1, tmp_path, "ada_other", OTHER_DATA, **W4, techniques=ada)
-    e_plain, e_ada, e_other = (_rel_error(encoder1, p) for p in (plain, rounded, rounded_other))
+    e_plain, e_ada, e_other = (output_error(encoder1, p) for p in (plain, rounded, rounded_other))
     assert e_plain < 0.0075
     assert e_ada < 0.9 * e_plain and e_other < 0.9 * e_plain, (e_plain, e_ada, e_other)
     # AdaRound learns the rounding from the data: integers differ from nearest, and between data sets
@@ -422,9 +389,9 @@ def test_lpbq_with_adaround_on_other_nodes(tiny_encoder: Path, tmp_path: Path) -
         {"name": "lpbq", "block_size": 16, "op_types": ["MatMul"]},
         {"name": "adaround", "num_iterations": 50, "nodes_to_exclude": matmuls}])
     assert _assert_lpbq(out, 16) == len(matmuls) == 8
-    per_channel = [n for n, _ in _weight_dqs(out) if _attr(n, "block_size") is None]
+    per_channel = [n for n, _ in _weight_dqs(out) if attrs(n).get("block_size") is None]
     assert len(per_channel) == 4  # the Gemm weights, AdaRounded
-    assert _rel_error(tiny_encoder, out) < 0.008
+    assert output_error(tiny_encoder, out) < 0.008
     with pytest.raises(UsageError, match=r"adaround cannot optimise LPBQ .* add them to adaround's nodes_to_exclude"):
         _run(tiny_encoder, tmp_path, "both", **W4, techniques=[
             {"name": "lpbq", "block_size": 16}, {"name": "adaround", "num_iterations": 10000}])
@@ -435,7 +402,7 @@ def test_tied_head_is_left_to_nearest_by_adaround(tiny_decoder: Path, tmp_path: 
     out = _run(tiny_decoder, tmp_path, "ada_dec", **W4, techniques=[
         {"name": "adaround", "num_iterations": 5, "nodes_to_exclude": [
             n for n in _linear_weight_nodes(tiny_decoder) if "layers.1" in n or "mlp" in n]}])
-    assert _rel_error(tiny_decoder, out) < 1.5 * DEC_INT4
+    assert output_error(tiny_decoder, out) < 1.5 * DEC_INT4
 
 
 # -- the toolkit facts behind the refusals (a failure here: a newer AIMET changed; revisit the rules) -----
@@ -459,7 +426,7 @@ def _sim(src: Path, folder: Path):
 
 def _weights_of(sim) -> dict[str, np.ndarray]:
     proto = sim.to_onnx_qdq(prequantize_constants=True)
-    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    inits = initializers(proto)
     return {k: v for k, v in inits.items() if k.endswith("_q") and v.ndim == 2}
 
 
@@ -557,7 +524,7 @@ def test_olive_config_ports_by_changing_type(tiny_encoder: Path, tmp_path: Path)
               "passes": [{"type": "AimetQuantization", "precision": "int4", "config_file": "htp_v73",
                           "techniques": [{"name": "seqmse", "num_candidates": 8}]}]}
     bitpress.run(config)
-    assert _ops(tmp_path / "olive.onnx")["DequantizeLinear"] > 0
+    assert op_counts(tmp_path / "olive.onnx")["DequantizeLinear"] > 0
 
 
 # -- outputs --------------------------------------------------------------------------------------

@@ -8,17 +8,15 @@ without AIMET. Skipped where AIMET is importable (its environment).
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bitpress.errors import OptionError
 from bitpress.plugins import Registry
+from bitpress.testing import assert_plugin_loaded, run_python, unavailable_registry
 
 if importlib.util.find_spec("aimet_onnx") is not None:
     pytest.skip("AIMET is installed here; see test_aimet.py", allow_module_level=True)
@@ -32,11 +30,7 @@ HINT = (
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Registry:
     """The installed plugins, with no plugin environment (an `aimet` one would run the pass)."""
-    if not any(ep.name == "aimet" for ep in md.entry_points(group="bitpress")):
-        pytest.fail("bitpress-aimet is not installed in this environment: run `make venv` "
-                    "(or pip install -e plugins/aimet)")
-    monkeypatch.setenv("BITPRESS_ENVS", str(tmp_path / "no-envs"))
-    return Registry()
+    return unavailable_registry("aimet", monkeypatch, tmp_path)
 
 
 def test_pass_listed_unavailable_with_install_command(run_cli, registry: Registry) -> None:
@@ -50,7 +44,7 @@ def test_pass_listed_unavailable_with_install_command(run_cli, registry: Registr
     lines = [line for line in out.splitlines() if line.startswith("aimet ")]
     assert len(lines) == 1 and lines[0].endswith(HINT), lines
     code, out, _ = run_cli("plugins", registry=registry)
-    assert any(line.startswith("aimet ") and line.rstrip().endswith("ok") for line in out.splitlines()), out
+    assert_plugin_loaded(out, "aimet")
 
 
 def test_pass_show_lists_olive_options(run_cli, registry: Registry) -> None:
@@ -85,8 +79,7 @@ def test_plugin_import_does_not_import_the_toolkit() -> None:
     code = ("import sys, bitpress_aimet, bitpress_aimet.options; "
             "print([c.name for c in bitpress_aimet.passes.PASSES], 'torch' in sys.modules, "
             "'aimet_onnx' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_python(code, timeout=120)
     assert proc.stdout.split() == ["['aimet']", "False", "False"], proc.stdout
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from bitpress.quant.solver import BlockSpec, QuantizedBlocks, dequantize
+from bitpress.testing import relative_error
 from bitpress_hqq.solver import bits_per_weight, hqq_solver
 
 MODES = {
@@ -64,10 +65,6 @@ def _rtn(w: np.ndarray, bits: int, symmetric: bool = False) -> np.ndarray:
     return (np.clip(np.rint(w / s + zp), 0, qmax) - zp) * s
 
 
-def _rel(w: np.ndarray, approx: np.ndarray) -> float:
-    return float(np.linalg.norm(approx - w) / np.linalg.norm(w))
-
-
 def _check_contract(blocks: QuantizedBlocks, spec: BlockSpec, shape: tuple[int, ...]) -> None:
     rows, n_blocks, _ = shape
     assert blocks.q.dtype == np.uint8 and blocks.q.shape == shape
@@ -99,8 +96,8 @@ def test_beats_rtn(
     spec = _spec(4, block, mode)
     blocks = hqq_solver(w, spec)
     _check_contract(blocks, spec, w.shape)
-    err = _rel(w, dequantize(blocks, 4))
-    rtn = _rel(w, _rtn(w, 4, symmetric=spec.symmetric))
+    err = relative_error(w, dequantize(blocks, 4))
+    rtn = relative_error(w, _rtn(w, 4, symmetric=spec.symmetric))
     assert err < rtn * (1 - margin), (err, rtn)
 
 
@@ -109,8 +106,8 @@ def test_plain_hqq_matches_the_reference(matrices: dict[str, np.ndarray]):
     # the default beats it and the 0.086 target.
     w = matrices["gaussian"].reshape(1024, -1, 64)
     spec = _spec(4, 64, "float-zp")
-    plain = _rel(w, dequantize(hqq_solver(w, spec, refit_iters=0), 4))  # measured 0.0864
-    full = _rel(w, dequantize(hqq_solver(w, spec), 4))  # measured 0.0838
+    plain = relative_error(w, dequantize(hqq_solver(w, spec, refit_iters=0), 4))  # measured 0.0864
+    full = relative_error(w, dequantize(hqq_solver(w, spec), 4))  # measured 0.0838
     assert 0.084 < plain < 0.0875
     assert full < 0.085
 
@@ -121,7 +118,7 @@ def test_refits_never_increase_the_error(matrices: dict[str, np.ndarray], mode: 
     spec = _spec(4, 64, mode)
     # int-zp's first refit step also moves z from nearest to floor/ceil: start the chain there
     start = 1 if mode == "int-zp" else 0
-    errs = [_rel(w, dequantize(hqq_solver(w, spec, refit_iters=k), 4)) for k in range(start, 9)]
+    errs = [relative_error(w, dequantize(hqq_solver(w, spec, refit_iters=k), 4)) for k in range(start, 9)]
     assert all(b <= a * (1 + 1e-6) for a, b in itertools.pairwise(errs)), errs
 
 
@@ -135,7 +132,7 @@ def test_contract_all_bits_and_blocks(bits: int, block: int, mode: str):
     blocks = hqq_solver(w, spec)
     _check_contract(blocks, spec, w.shape)
     # never worse than RTN, at any width (smallest measured gain: ~1% at 8 bits, block 256)
-    assert _rel(w, dequantize(blocks, bits)) <= _rel(w, _rtn(w, bits, spec.symmetric)) * 1.001
+    assert relative_error(w, dequantize(blocks, bits)) <= relative_error(w, _rtn(w, bits, spec.symmetric)) * 1.001
 
 
 @pytest.mark.parametrize("mode", ["float-zp", "int-zp", "sym"])
@@ -160,8 +157,8 @@ def test_options_beat_rtn(matrices: dict[str, np.ndarray], kw: dict):
     w = matrices["gaussian"][:256].reshape(256, -1, 64)
     for mode in ("float-zp", "int-zp"):
         spec = _spec(4, 64, mode)
-        err = _rel(w, dequantize(hqq_solver(w, spec, **kw), 4))
-        assert err < _rel(w, _rtn(w, 4)) * 0.98, (mode, err)
+        err = relative_error(w, dequantize(hqq_solver(w, spec, **kw), 4))
+        assert err < relative_error(w, _rtn(w, 4)) * 0.98, (mode, err)
 
 
 def test_importance_lowers_the_weighted_error(matrices: dict[str, np.ndarray]):
@@ -259,4 +256,4 @@ def test_torch_path_matches_numpy():
         a = hqq_solver(w, spec, device="numpy")
         b = hqq_solver(w, spec, device="cpu")  # torch on the CPU: the same code as on CUDA
         _check_contract(b, spec, w.shape)
-        assert abs(_rel(w, dequantize(a, 4)) - _rel(w, dequantize(b, 4))) < 1e-5
+        assert abs(relative_error(w, dequantize(a, 4)) - relative_error(w, dequantize(b, 4))) < 1e-5

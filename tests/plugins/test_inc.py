@@ -21,13 +21,11 @@ says the kernels saturate, the tight bound elsewhere. Bounds leave about 1.5x he
 
 from __future__ import annotations
 
-import collections
 import importlib.util
 import json
 import logging
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -36,7 +34,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -49,11 +46,27 @@ from bitpress.cpu import int8_saturates
 from bitpress.errors import OptionError, QuantizationError, UsageError
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.passes import PassContext
+from bitpress.testing import (
+    activation_scales,
+    assert_plain_onnx,
+    attrs,
+    initializers,
+    int8_weights,
+    matmul_nbits_nodes,
+    max_abs_int8_weight,
+    op_counts,
+    output_error,
+    process_state,
+    restored_logger,
+    run_python,
+    session,
+    weight_scales,
+    zero_point_types,
+)
 from bitpress.toolkit.feeds import FeedReader, calibration_feeds, split_feeds
 
 #: calibration data for the static passes: the host's random source, 8 samples of 32 tokens
 DATA = {"source": "random", "samples": 8, "seq_len": 32}
-STANDARD_DOMAINS = {"", "ai.onnx", "com.microsoft"}
 SATURATES = int8_saturates()
 
 
@@ -101,76 +114,15 @@ def _run(src: Path, tmp_path: Path, pass_name: str, /, data: object = None, name
     return out
 
 
-def _ops(path: Path) -> collections.Counter[str]:
-    return collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
-
-
-def _session(path: Path) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-
-
 def _rel_error(src: Path, out: Path) -> float:
-    """The worse of two batches; every output of the quantized model is run (a session runs all)."""
-    ref, quant = _session(src), _session(out)
-    worst = 0.0
-    for seed in (123, 124):
-        feeds = synthetic.random_inputs(src, batch=2, seq=16, seed=seed)
-        outs = quant.run(None, feeds)
-        assert all(np.isfinite(o).all() for o in outs)
-        a, b = ref.run(None, feeds)[0], outs[0]
-        worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(a)))
-    return worst
-
-
-def _assert_plain_onnx(path: Path) -> None:
-    model = onnx.load(str(path))
-    used = {n.domain for n in model.graph.node}
-    declared = {o.domain for o in model.opset_import}
-    assert used <= STANDARD_DOMAINS and used - {""} <= declared and declared <= STANDARD_DOMAINS, (used, declared)
-
-
-def _initializers(path: Path) -> dict[str, np.ndarray]:
-    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
-
-
-def _int8_weights(path: Path) -> dict[str, np.ndarray]:
-    """The int8 / uint8 initializers of 1000+ values (quantized weights) by name."""
-    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer
-            if t.data_type in (TensorProto.INT8, TensorProto.UINT8) and math.prod(t.dims) >= 1000}
-
-
-def _activation_scales(path: Path) -> dict[str, float]:
-    """Scale of every QuantizeLinear (activations), by the quantized tensor's name."""
-    model = onnx.load(str(path))
-    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    return {n.input[0]: float(inits[n.input[1]].reshape(-1)[0]) for n in model.graph.node
-            if n.op_type == "QuantizeLinear" and n.input[1] in inits}
-
-
-def _zero_point_types(path: Path) -> tuple[set, set]:
-    """dtypes of the weights' and the activations' zero points (QDQ)."""
-    model = onnx.load(str(path))
-    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    weights, acts = set(), set()
-    for n in model.graph.node:
-        if n.op_type == "DequantizeLinear" and len(n.input) > 2 and n.input[2] in inits:
-            (weights if n.input[0] in inits else acts).add(inits[n.input[2]].dtype)
-    return weights, acts
-
-
-def _nbits_nodes(path: Path) -> list[onnx.NodeProto]:
-    return [n for n in onnx.load(str(path)).graph.node if n.op_type == "MatMulNBits"]
-
-
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    """The worse of two batches; every output of the quantized model is run (a session runs all) and finite."""
+    return output_error(src, out, finite=True)
 
 
 def _nbits_weights(path: Path) -> dict[str, np.ndarray]:
-    inits = _initializers(path)
-    return {name: inits[name] for n in _nbits_nodes(path) for name in n.input[1:] if name in inits}
+    """The integers, scales and zero points of every MatMulNBits, by name."""
+    inits = initializers(path)
+    return {name: inits[name] for n in matmul_nbits_nodes(path) for name in n.input[1:] if name in inits}
 
 
 def _contained_inc(folder: Path):
@@ -200,7 +152,7 @@ def test_static(case: str, tiny_decoder: Path, tiny_encoder: Path, tiny_convnet:
     for which, src, bound in zip(("dec", "enc", "conv"), (tiny_decoder, tiny_encoder, tiny_convnet), bounds,
                                  strict=True):
         out = _run(src, tmp_path, "inc_static", DATA, name=f"{case}_{which}", **options)
-        ops = _ops(out)
+        ops = op_counts(out)
         if qdq:
             assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > 0
             assert not any(op.startswith("QLinear") or op == "QGemm" for op in ops), ops
@@ -210,7 +162,7 @@ def test_static(case: str, tiny_decoder: Path, tiny_encoder: Path, tiny_convnet:
             assert ops["QLinearMatMul"] >= 15 and ops["MatMul"] <= 4, ops  # 15 linears; the attention MatMuls vary
         else:
             assert ops["QLinearMatMul"] >= 8 and ops["QGemm"] == 4 and ops["Gemm"] == 0, ops
-        _assert_plain_onnx(out)
+        assert_plain_onnx(out)
         err = _rel_error(src, out)
         assert 5e-4 < err < bound, f"{case} on {which}: error {err:.4f}"
 
@@ -221,31 +173,27 @@ def test_static_per_channel_types_and_percentile(tiny_decoder: Path, tmp_path: P
     # QDQ int8 activations .021 / .021, uint8 weights .021 / .021
     bound = 0.14 if SATURATES else 0.03
     pc = _run(tiny_decoder, tmp_path, "inc_static", DATA, name="pc", quant_format="QDQ", per_channel=True)
-    model = onnx.load(str(pc))
-    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    matmul_in = {i for n in model.graph.node if n.op_type == "MatMul" for i in n.input}
-    scales = [inits[n.input[1]] for n in model.graph.node
-              if n.op_type == "DequantizeLinear" and n.input[0] in inits and n.output[0] in matmul_in]
+    scales = weight_scales(pc)  # of the MatMul weights
     assert len(scales) == 15 and all(s.ndim == 1 and s.size > 1 for s in scales)
     assert _rel_error(tiny_decoder, pc) < bound
     qop = _run(tiny_decoder, tmp_path, "inc_static", DATA, name="qop_pc", per_channel=True,
                op_types_to_quantize=["MatMul"])
-    assert _ops(qop)["QLinearMatMul"] >= 15 and _rel_error(tiny_decoder, qop) < bound
+    assert op_counts(qop)["QLinearMatMul"] >= 15 and _rel_error(tiny_decoder, qop) < bound
 
-    assert _zero_point_types(_run(tiny_decoder, tmp_path, "inc_static", DATA, name="u8a", quant_format="QDQ")) == (
+    assert zero_point_types(_run(tiny_decoder, tmp_path, "inc_static", DATA, name="u8a", quant_format="QDQ")) == (
         {np.dtype(np.int8), np.dtype(np.uint8)}, {np.dtype(np.uint8)})  # the embedding Gather's table is uint8
     s8 = _run(tiny_decoder, tmp_path, "inc_static", DATA, name="s8a", quant_format="QDQ", activation_type="int8")
-    assert _zero_point_types(s8) == ({np.dtype(np.int8)}, {np.dtype(np.int8)})
+    assert zero_point_types(s8) == ({np.dtype(np.int8)}, {np.dtype(np.int8)})
     u8 = _run(tiny_decoder, tmp_path, "inc_static", DATA, name="u8w", quant_format="QDQ", weight_type="uint8")
-    assert _zero_point_types(u8) == ({np.dtype(np.uint8)}, {np.dtype(np.uint8)})
+    assert zero_point_types(u8) == ({np.dtype(np.uint8)}, {np.dtype(np.uint8)})
     assert _rel_error(tiny_decoder, s8) < 0.035 and _rel_error(tiny_decoder, u8) < 0.035
 
     # Percentile clips most ranges; other calibration data changes some
-    base = _activation_scales(_run(tiny_decoder, tmp_path, "inc_static", DATA, name="mm", quant_format="QDQ"))
-    pct = _activation_scales(_run(tiny_decoder, tmp_path, "inc_static", DATA, name="pct", quant_format="QDQ",
-                                  calibrate_method="Percentile"))
-    seed7 = _activation_scales(_run(tiny_decoder, tmp_path, "inc_static", {**DATA, "seed": 7}, name="seed7",
-                                    quant_format="QDQ"))
+    base = activation_scales(_run(tiny_decoder, tmp_path, "inc_static", DATA, name="mm", quant_format="QDQ"))
+    pct = activation_scales(_run(tiny_decoder, tmp_path, "inc_static", DATA, name="pct", quant_format="QDQ",
+                                 calibrate_method="Percentile"))
+    seed7 = activation_scales(_run(tiny_decoder, tmp_path, "inc_static", {**DATA, "seed": 7}, name="seed7",
+                                   quant_format="QDQ"))
     assert base.keys() == pct.keys() == seed7.keys()
     assert sum(pct[k] < base[k] * (1 - 1e-6) for k in base) > len(base) // 2, "Percentile must clip most ranges"
     assert any(not math.isclose(seed7[k], base[k]) for k in base), "other data must change some ranges"
@@ -256,13 +204,13 @@ def test_static_include_exclude(tiny_decoder: Path, tmp_path: Path) -> None:
     out = _run(tiny_decoder, tmp_path, "inc_static", DATA, name="noq", op_types_to_quantize=["MatMul"],
                nodes_to_exclude=[q])
     assert q in [n.name for n in onnx.load(str(out)).graph.node if n.op_type == "MatMul"]
-    ops = _ops(_run(tiny_decoder, tmp_path, "inc_static", DATA, name="one", op_types_to_quantize=["MatMul"],
-                    nodes_to_quantize=["/model/layers.1/mlp/down_proj/MatMul"]))
+    ops = op_counts(_run(tiny_decoder, tmp_path, "inc_static", DATA, name="one", op_types_to_quantize=["MatMul"],
+                         nodes_to_quantize=["/model/layers.1/mlp/down_proj/MatMul"]))
     assert ops["QLinearMatMul"] == 1 and ops["MatMul"] == 18
-    ops = _ops(_run(tiny_decoder, tmp_path, "inc_static", DATA, name="nolast", op_types_to_quantize=["MatMul"],
-                    quant_last_matmul=False))
+    ops = op_counts(_run(tiny_decoder, tmp_path, "inc_static", DATA, name="nolast", op_types_to_quantize=["MatMul"],
+                         quant_last_matmul=False))
     assert ops["MatMul"] == 5  # the LM head stays float, with the attention MatMuls
-    ops = _ops(_run(tiny_decoder, tmp_path, "inc_static", DATA, name="noadd", op_types_to_exclude=["Add", "Mul"]))
+    ops = op_counts(_run(tiny_decoder, tmp_path, "inc_static", DATA, name="noadd", op_types_to_exclude=["Add", "Mul"]))
     assert ops["QLinearAdd"] == 0 and ops["QLinearMul"] == 0 and ops["QLinearMatMul"] >= 15
 
 
@@ -273,21 +221,21 @@ def test_smooth_quant_changes_the_weights(tiny_decoder: Path, tiny_convnet: Path
     Measured (decoder / conv net), QDQ: plain .021 / .018; SmoothQuant alpha .3 .021 / .021,
     .5 .022 / .014, .7 .024 / .015 (random weights have no outlier channels to smooth).
     """
-    plain = _int8_weights(_run(tiny_decoder, tmp_path, "inc_static", DATA, name="plain", quant_format="QDQ"))
+    plain = int8_weights(_run(tiny_decoder, tmp_path, "inc_static", DATA, name="plain", quant_format="QDQ"))
     runs = {}
     for alpha in (0.3, 0.7):
         out = _run(tiny_decoder, tmp_path, "inc_static", DATA, name=f"sq{alpha}", quant_format="QDQ",
                    extra_options={"SmoothQuant": True, "SmoothQuantAlpha": alpha})
-        assert _ops(out)["Mul"] > _ops(tiny_decoder)["Mul"], "unfolded smoothing scales are Mul nodes"
+        assert op_counts(out)["Mul"] > op_counts(tiny_decoder)["Mul"], "unfolded smoothing scales are Mul nodes"
         assert _rel_error(tiny_decoder, out) < 0.036
-        runs[alpha] = _int8_weights(out)
+        runs[alpha] = int8_weights(out)
     changed = [k for k in plain if k in runs[0.7] and not np.array_equal(plain[k], runs[0.7][k])]
     assert len(changed) >= 10, "SmoothQuant must rescale the quantized weights"
     differ = [k for k in runs[0.3] if k in runs[0.7] and not np.array_equal(runs[0.3][k], runs[0.7][k])]
     assert len(differ) >= 10, "alpha must reach INC"
     conv = _run(tiny_convnet, tmp_path, "inc_static", DATA, name="sqconv",
                 extra_options={"SmoothQuant": True, "SmoothQuantAlpha": 0.5})
-    assert _ops(conv)["QLinearConv"] == 2 and _rel_error(tiny_convnet, conv) < 0.025
+    assert op_counts(conv)["QLinearConv"] == 2 and _rel_error(tiny_convnet, conv) < 0.025
 
 
 def _scalar_mul_model(path: Path, constant_node: bool) -> Path:
@@ -340,11 +288,11 @@ def test_scales_fold_into_a_scalar_mul(constant_node: bool, tmp_path: Path) -> N
                   extra_options={"SmoothQuant": True})
     unfolded = _run(src, tmp_path, "inc_static", DATA, name="nofold", quant_format="QDQ",
                     extra_options={"SmoothQuant": True, "SmoothQuantFolding": False})
-    assert _ops(folded)["Mul"] == 2 and _ops(unfolded)["Mul"] == 3  # fc2's smoothing scale went into the Mul
+    assert op_counts(folded)["Mul"] == 2 and op_counts(unfolded)["Mul"] == 3  # fc2's smoothing scale went into the Mul
     errors = _rel_error(src, folded), _rel_error(src, unfolded)
     assert errors[0] < 0.23 and abs(errors[0] - errors[1]) < 0.005, errors
     awq = _run(src, tmp_path, "inc_woq", DATA, name="awq", weight_only_config={"algorithm": "AWQ"})
-    assert len(_nbits_nodes(awq)) == 2 and _rel_error(src, awq) < 0.29
+    assert len(matmul_nbits_nodes(awq)) == 2 and _rel_error(src, awq) < 0.29
 
 
 def test_inc_quantize_drops_smooth_quant_alpha(tiny_decoder: Path, tmp_path: Path) -> None:
@@ -363,7 +311,7 @@ def test_inc_quantize_drops_smooth_quant_alpha(tiny_decoder: Path, tmp_path: Pat
                                            execution_provider="CPUExecutionProvider",
                                            extra_options={"SmoothQuant": True, "SmoothQuantAlpha": alpha})
             inc_quantize(str(tiny_decoder), str(out), cfg)
-            weights.append(_int8_weights(out))
+            weights.append(int8_weights(out))
     assert weights[0].keys() == weights[1].keys() and weights[0]
     assert all(np.array_equal(weights[0][k], weights[1][k]) for k in weights[0])
 
@@ -384,7 +332,7 @@ def test_inc_entropy_calibration_equals_minmax(tiny_decoder: Path, tmp_path: Pat
                                            calibrate_method=getattr(CalibrationMethod, method),
                                            calibration_sampling_size=len(feeds))
             algos.static_quantize_entry(str(tiny_decoder), cfg, FeedReader(feeds), model_output=str(out))
-            scales[method] = _activation_scales(out)
+            scales[method] = activation_scales(out)
     assert scales["Entropy"] == scales["MinMax"] and scales["MinMax"]
     assert scales["Percentile"] != scales["MinMax"]  # the calibration method does reach INC
 
@@ -405,8 +353,7 @@ def test_inc_ignores_reduce_range(tiny_decoder: Path, tmp_path: Path) -> None:
         cfg = config.DynamicQuantConfig(execution_provider="CPUExecutionProvider", reduce_range=True)
         algos.dynamic_quantize_entry(str(tiny_decoder), cfg, model_output=str(dynamic))
     for out in (static, dynamic):
-        int8 = [w for w in _int8_weights(out).values() if w.dtype == np.int8]
-        assert int8 and max(int(np.abs(w.astype(np.int16)).max()) for w in int8) == 127  # 7 bits would be 64
+        assert max_abs_int8_weight(out) == 127  # 7 bits would be 64
 
 
 def test_inc_gptq_ignores_calibration_data(tiny_decoder: Path, tmp_path: Path) -> None:
@@ -465,16 +412,16 @@ def test_inc_asymmetric_int4_zero_points_need_repacking(tiny_decoder: Path, tmp_
     raw = tmp_path / "raw.onnx"
     onnx.save(proto, str(raw))
     with pytest.raises(Exception, match="zero_points"):
-        _session(raw)
+        session(raw)
     assert repack_zero_points(proto) == 2  # the two down_proj weights (5 blocks per row)
     assert repack_zero_points(proto) == 0  # idempotent
     fixed = tmp_path / "fixed.onnx"
     onnx.save(proto, str(fixed))
-    _session(fixed)
-    floats = _initializers(tiny_decoder)
-    inits = _initializers(fixed)
-    for node in _nbits_nodes(fixed):
-        a = _attrs(node)
+    session(fixed)
+    floats = initializers(tiny_decoder)
+    inits = initializers(fixed)
+    for node in matmul_nbits_nodes(fixed):
+        a = attrs(node)
         n, k, bs = a["N"], a["K"], a["block_size"]
         blocks = -(-k // bs)
         q = inits[node.input[1]].reshape(n, blocks * bs // 2)
@@ -572,13 +519,13 @@ def test_dynamic(tiny_decoder: Path, tiny_encoder: Path, tmp_path: Path) -> None
     for which, src, matmuls in (("dec", tiny_decoder, 15), ("enc", tiny_encoder, 8)):
         for i, opts in enumerate(({}, {"weight_type": "uint8"}, {"per_channel": True})):
             out = _run(src, tmp_path, "inc_dynamic", name=f"{which}{i}", **opts)
-            ops = _ops(out)
+            ops = op_counts(out)
             assert ops["DynamicQuantizeLinear"] > 0 and ops["MatMulInteger"] == matmuls, ops
             assert ops["QuantizeLinear"] == 0, "dynamic quantization needs no calibrated activation ranges"
-            _assert_plain_onnx(out)
+            assert_plain_onnx(out)
             bound = 0.16 if SATURATES and opts.get("per_channel") and which == "dec" else 0.022
             assert 1e-3 < _rel_error(src, out) < bound, (which, opts)
-    ops = _ops(_run(tiny_decoder, tmp_path, "inc_dynamic", name="nolast", quant_last_matmul=False))
+    ops = op_counts(_run(tiny_decoder, tmp_path, "inc_dynamic", name="nolast", quant_last_matmul=False))
     assert ops["MatMulInteger"] == 14
 
 
@@ -590,22 +537,22 @@ def test_weight_only_rtn(tiny_decoder: Path, tiny_encoder: Path, tmp_path: Path)
     for group in (16, 128):
         out = _run(tiny_decoder, tmp_path, "inc_woq", name=f"g{group}",
                    weight_only_config={"group_size": group, "accuracy_level": 4})
-        nodes = _nbits_nodes(out)
-        assert len(nodes) == 15 and _ops(out)["MatMul"] == 4  # 7 linears x 2 layers + LM head; attention stays
-        assert all(_attrs(n)["bits"] == 4 and _attrs(n)["block_size"] == group and _attrs(n)["accuracy_level"] == 4
+        nodes = matmul_nbits_nodes(out)
+        assert len(nodes) == 15 and op_counts(out)["MatMul"] == 4  # 7 linears x 2 layers + LM head; attention stays
+        assert all(attrs(n)["bits"] == 4 and attrs(n)["block_size"] == group and attrs(n)["accuracy_level"] == 4
                    for n in nodes)
-        inits = _initializers(out)
+        inits = initializers(out)
         assert all(len(n.input) == 4 and inits[n.input[3]].dtype == np.uint8 for n in nodes), "asym: zero points"
-        _assert_plain_onnx(out)
+        assert_plain_onnx(out)
         errors[group] = _rel_error(tiny_decoder, out)
     assert 1e-3 < errors[16] < errors[128] < 0.13, errors
     sym = _run(tiny_decoder, tmp_path, "inc_woq", name="sym", weight_only_config={"scheme": "SYM"})
-    assert all(len(n.input) == 3 for n in _nbits_nodes(sym)) and _rel_error(tiny_decoder, sym) < 0.13
+    assert all(len(n.input) == 3 for n in matmul_nbits_nodes(sym)) and _rel_error(tiny_decoder, sym) < 0.13
     enc = _run(tiny_encoder, tmp_path, "inc_woq", name="enc")
-    assert len(_nbits_nodes(enc)) == 8 and _rel_error(tiny_encoder, enc) < 0.0055
+    assert len(matmul_nbits_nodes(enc)) == 8 and _rel_error(tiny_encoder, enc) < 0.0055
     out = _run(tiny_decoder, tmp_path, "inc_woq", name="noq",
                nodes_to_exclude=["/model/layers.0/self_attn/q_proj/MatMul"])
-    assert len(_nbits_nodes(out)) == 14
+    assert len(matmul_nbits_nodes(out)) == 14
 
 
 def test_weight_only_awq_depends_on_data(tiny_decoder: Path, tmp_path: Path) -> None:
@@ -623,7 +570,7 @@ def test_weight_only_through_inc_static_as_in_olive(tiny_decoder: Path, tmp_path
     """Olive's configs quantize weight-only with IncStaticQuantization and approach weight_only."""
     out = _run(tiny_decoder, tmp_path, "IncStaticQuantization", DATA, name="olive", approach="weight_only",
                weight_only_config={"bits": 4, "algorithm": "rtn"})
-    assert len(_nbits_nodes(out)) == 15
+    assert len(matmul_nbits_nodes(out)) == 15
     rtn = _run(tiny_decoder, tmp_path, "inc_woq", name="rtn")
     assert _nbits_weights(out).keys() == _nbits_weights(rtn).keys()
     assert all(np.array_equal(a, _nbits_weights(rtn)[k]) for k, a in _nbits_weights(out).items())
@@ -634,11 +581,11 @@ def test_external_data(tiny_decoder: Path, tiny_decoder_external: Path, tmp_path
     import bitpress.toolkit.workspace as workspace
 
     feeds = synthetic.random_inputs(tiny_decoder, batch=1, seq=8, seed=3)
-    inline = _session(_run(tiny_decoder, tmp_path, "inc_woq", name="inline")).run(None, feeds)[0]
-    ext_in = _session(_run(tiny_decoder_external, tmp_path, "inc_woq", name="ext_in")).run(None, feeds)[0]
+    inline = session(_run(tiny_decoder, tmp_path, "inc_woq", name="inline")).run(None, feeds)[0]
+    ext_in = session(_run(tiny_decoder_external, tmp_path, "inc_woq", name="ext_in")).run(None, feeds)[0]
     np.testing.assert_array_equal(inline, ext_in)
     monkeypatch.setattr(workspace, "SINGLE_FILE_LIMIT", 0)
-    ext = _session(_run(tiny_decoder, tmp_path, "inc_woq", name="ext")).run(None, feeds)[0]
+    ext = session(_run(tiny_decoder, tmp_path, "inc_woq", name="ext")).run(None, feeds)[0]
     np.testing.assert_array_equal(inline, ext)
     static = _run(tiny_decoder_external, tmp_path, "inc_static", DATA, name="static_ext", quant_format="QDQ")
     assert _rel_error(tiny_decoder, static) < 0.035
@@ -686,7 +633,7 @@ def test_tuning_stops_at_the_first_trial_within_tolerance(tiny_decoder: Path, tm
     assert [t["approach"] for t in tuning["trials"]] == ["static", "dynamic"]
     assert tuning["met"] is True and tuning["chosen"] == 1 and tuning["trials"][1]["error"] <= 0.05
     assert tuning["trials"][0]["error"] > 0.05
-    assert _ops(out)["MatMulInteger"] == 15 and _rel_error(tiny_decoder, out) < 0.022
+    assert op_counts(out)["MatMulInteger"] == 15 and _rel_error(tiny_decoder, out) < 0.022
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tuning: trial ")]
     assert len(logged) == 2 and "approach=dynamic" in logged[1]
 
@@ -700,7 +647,7 @@ def test_tuning_weight_only(tiny_decoder: Path, tmp_path: Path) -> None:
     assert [(t["algorithm"], t["scheme"], t["group_size"]) for t in trials] == [
         ("RTN", "sym", 32), ("RTN", "asym", 32), ("AWQ", "asym", 32)]
     assert tuning["chosen"] == int(np.argmin([t["error"] for t in trials])) and tuning["met"] is False
-    assert len(_nbits_nodes(tmp_path / "woq.onnx")) == 15
+    assert len(matmul_nbits_nodes(tmp_path / "woq.onnx")) == 15
 
 
 def test_tuning_scratch_stays_in_the_work_folder(tiny_decoder: Path, tmp_path: Path, monkeypatch, caplog) -> None:
@@ -725,12 +672,8 @@ def test_tuning_scratch_stays_in_the_work_folder(tiny_decoder: Path, tmp_path: P
 @pytest.fixture
 def cli_logging():
     """The CLI points the ``bitpress`` logger at this test's captured stderr: put it back after."""
-    logger = logging.getLogger("bitpress")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    yield
-    logger.handlers[:] = saved[0]
-    logger.setLevel(saved[1])
-    logger.propagate = saved[2]
+    with restored_logger("bitpress"):
+        yield
 
 
 def test_cli_quantize_json_and_olive_config(run_cli, cli_logging, tiny_decoder: Path, tmp_path: Path) -> None:
@@ -756,7 +699,7 @@ def test_cli_quantize_json_and_olive_config(run_cli, cli_logging, tiny_decoder: 
          "passes": [{{"type": "IncDynamicQuantization", "per_channel": false}}]}}"""))
     code, stdout, err = run_cli("run", recipe)
     assert code == 0, err
-    assert _ops(tmp_path / "run.onnx")["MatMulInteger"] == 15
+    assert op_counts(tmp_path / "run.onnx")["MatMulInteger"] == 15
     code, _, err = run_cli("quantize", "-m", tiny_decoder, "-o", tmp_path / "x.onnx", "--algorithm", "inc_static")
     assert code == 2 and "needs calibration data" in err
 
@@ -810,9 +753,7 @@ def test_inc_side_effects_without_containment(tiny_decoder: Path, tmp_path: Path
     cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
     cwd.mkdir()
     tmp.mkdir()
-    proc = subprocess.run([sys.executable, "-c", _RAW, str(tiny_decoder)], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
-    assert proc.returncode == 0, proc.stderr
+    proc = run_python(_RAW, str(tiny_decoder), cwd=cwd, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "PyTorch was not found" in proc.stderr  # transformers' own stderr handler
     assert seen["filters_changed"]  # scipy's import adds process-wide warning filters
@@ -827,14 +768,10 @@ def test_inc_side_effects_without_containment(tiny_decoder: Path, tmp_path: Path
 
 
 def _process_state() -> dict[str, object]:
-    root = logging.getLogger()
     tuning = sys.modules.get("onnx_neural_compressor.quantization.tuning")
     inc = logging.getLogger("onnx_neural_compressor")
     return {
-        "root_handlers": list(root.handlers), "root_level": root.level, "root_filters": list(root.filters),
-        "warning_filters": list(warnings.filters), "showwarning": warnings.showwarning,
-        "basicConfig": logging.basicConfig, "environ": dict(os.environ), "sys_path": list(sys.path),
-        "stdout": sys.stdout, "stderr": sys.stderr, "tempdir": tempfile.tempdir,
+        **process_state(), "tempdir": tempfile.tempdir,
         "inc_logger": (list(inc.handlers), inc.level, inc.propagate),
         "inc_quantize": getattr(tuning, "_quantize", None),
     }
@@ -915,8 +852,7 @@ def test_listing_passes_does_not_import_inc() -> None:
     code = ("import sys; from bitpress.plugins import Registry; r = Registry(); "
             "print(sorted(p for p in r.passes if p.startswith('inc')), "
             "'onnx_neural_compressor' in sys.modules, 'transformers' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_python(code, timeout=300)
     assert proc.stdout.split()[-2:] == ["False", "False"], proc.stdout
     assert "['inc', 'inc_dynamic', 'inc_static', 'inc_woq']" in proc.stdout
 
@@ -945,9 +881,7 @@ def test_first_import_is_contained(tmp_path: Path) -> None:
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     log_file = tmp_path / "app.log"
-    proc = subprocess.run([sys.executable, "-c", _FIRST_IMPORT, str(log_file)], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_python(_FIRST_IMPORT, str(log_file), cwd=cwd, timeout=300)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["imported"] and result["same"] == [True] * 5 and result["cwd_files"] == [], result
     assert "after import" in log_file.read_text()

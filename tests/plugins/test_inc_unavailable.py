@@ -8,17 +8,15 @@ install command, their options must be checked all the same, and selecting one m
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bitpress.errors import OptionError
 from bitpress.plugins import Registry
+from bitpress.testing import assert_plugin_loaded, run_python, unavailable_registry
 
 if importlib.util.find_spec("onnx_neural_compressor") is not None:
     pytest.skip("Intel Neural Compressor is installed here; see test_inc.py", allow_module_level=True)
@@ -33,11 +31,7 @@ HINT = (
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Registry:
     """The installed plugins, with no plugin environment (an `inc` one would run the passes)."""
-    if not any(ep.name == "inc" for ep in md.entry_points(group="bitpress")):
-        pytest.fail("bitpress-inc is not installed in this environment: run `make venv` "
-                    "(or pip install -e plugins/inc)")
-    monkeypatch.setenv("BITPRESS_ENVS", str(tmp_path / "no-envs"))
-    return Registry()
+    return unavailable_registry("inc", monkeypatch, tmp_path)
 
 
 def test_passes_listed_unavailable_with_install_command(run_cli, registry: Registry) -> None:
@@ -55,7 +49,7 @@ def test_passes_listed_unavailable_with_install_command(run_cli, registry: Regis
     lines = [line for line in out.splitlines() if line.split(" ", 1)[0] in INC_PASSES]
     assert len(lines) == 4 and all(line.endswith(HINT) for line in lines), lines
     code, out, _ = run_cli("plugins", registry=registry)
-    assert any(line.startswith("inc ") and line.rstrip().endswith("ok") for line in out.splitlines()), out
+    assert_plugin_loaded(out, "inc")
 
 
 def test_olive_names_resolve_to_the_passes(registry: Registry) -> None:
@@ -92,8 +86,7 @@ def test_quantize_fails_with_the_install_command(
 def test_plugin_import_does_not_import_the_toolkit() -> None:
     code = ("import sys, bitpress_inc; print(sorted(c.name for c in bitpress_inc.passes.PASSES), "
             "'onnx_neural_compressor' in sys.modules, 'transformers' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_python(code, timeout=120)
     assert proc.stdout.split("]")[0] + "]" == str(sorted(INC_PASSES)) and proc.stdout.split()[-2:] == ["False", "False"]
 
 

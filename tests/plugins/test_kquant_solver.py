@@ -26,6 +26,7 @@ import pytest
 
 import bitpress_kquant.solver as kq
 from bitpress.quant.solver import BlockSpec, QuantizedBlocks, dequantize
+from bitpress.testing import relative_error
 from bitpress_kquant.solver import bits_per_weight, kquant_solver
 from bitpress_rtn.solver import rtn_solver
 
@@ -46,7 +47,7 @@ def gauss() -> np.ndarray:
 
 
 def _rel_err(blocks: QuantizedBlocks, w: np.ndarray, bits: int) -> float:
-    return float(np.linalg.norm(dequantize(blocks, bits) - w) / np.linalg.norm(w))
+    return relative_error(w, dequantize(blocks, bits))
 
 
 def _check_contract(blocks: QuantizedBlocks, spec: BlockSpec, shape: tuple[int, ...]) -> None:

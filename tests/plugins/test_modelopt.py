@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -34,17 +33,28 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 if importlib.util.find_spec("modelopt") is None or importlib.util.find_spec("torch") is None:
     pytest.skip("NVIDIA ModelOpt is not installed here (bitpress env create modelopt)", allow_module_level=True)
 
-from bitpress import synthetic
+from bitpress import synthetic, testing
 from bitpress.api import quantize
 from bitpress.cpu import int8_saturates
 from bitpress.errors import QuantizationError, UsageError
+from bitpress.testing import (
+    initializer_protos,
+    load_proto,
+    matmul_nbits_nodes,
+    op_counts,
+    ort_outputs,
+    output_error,
+    process_state,
+    random_feeds,
+    restored_logger,
+    run_python,
+)
 
 DATA = {"source": "random", "samples": 8, "seq_len": 32}
 LINEARS = [f"/model/layers.{i}/{part}/MatMul" for i in range(2) for part in (
@@ -92,62 +102,35 @@ def _run(src: Path, tmp_path: Path, pass_name: str = "modelopt_int4", /, data: o
     return out
 
 
-def _session(path: Path, exact: bool = True) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    if exact:  # ORT's own DQ -> MatMul fusion at fp32 accuracy, as MatMulNBits with accuracy_level 0 computes
-        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-
-
-def _feeds(src: Path, seed: int) -> dict[str, np.ndarray]:
-    return synthetic.random_inputs(src, batch=2, seq=16, seed=seed)
-
-
 def _outputs(path: Path, src: Path, seed: int = 123, exact: bool = True) -> list[np.ndarray]:
-    return _session(path, exact).run(None, _feeds(src, seed))
+    """Every output on random inputs (2 x 16 tokens); ``exact``: ORT's own DQ -> MatMul fusion at fp32
+    accuracy, as MatMulNBits with accuracy_level 0 computes."""
+    return ort_outputs(path, random_feeds(src, seed), exact_qdq=exact)
 
 
 def _rel_error(src: Path, out: Path) -> float:
-    ref, quant = _session(src), _session(out)
-    worst = 0.0
-    for seed in (123, 124):
-        feeds = _feeds(src, seed)
-        a, b = ref.run(None, feeds)[0], quant.run(None, feeds)[0]
-        worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(a)))
-    return worst
-
-
-def _model(path: Path) -> onnx.ModelProto:
-    return onnx.load(str(path))
-
-
-def _ops(path: Path) -> collections.Counter[str]:
-    return collections.Counter(n.op_type for n in _model(path).graph.node)
-
-
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    """The first output, the worse of two random batches, both models scored exactly (see _outputs)."""
+    return output_error(src, out, exact_qdq=True)
 
 
 def _nbits(path: Path) -> dict[str, dict[str, object]]:
     """MatMulNBits nodes by the name of the MatMul they replace (the host names them ``<MatMul>_Q<bits>``)."""
-    return {re.sub(r"_Q\d+$", "", n.name): _attrs(n) for n in _model(path).graph.node if n.op_type == "MatMulNBits"}
+    return {re.sub(r"_Q\d+$", "", n.name): testing.attrs(n) for n in matmul_nbits_nodes(path)}
 
 
 def _dq_weights(path: Path) -> dict[str, tuple[int, dict[str, object]]]:
     """The MatMul each DequantizeLinear feeds -> (its integer weight's ONNX type, the DQ's attributes)."""
-    model = _model(path)
-    inits = {t.name: t for t in model.graph.initializer}
+    model = load_proto(path)
+    inits = initializer_protos(model)
     readers = {i: n for n in model.graph.node for i in n.input}
-    return {readers[n.output[0]].name: (inits[n.input[0]].data_type, _attrs(n))
+    return {readers[n.output[0]].name: (inits[n.input[0]].data_type, testing.attrs(n))
             for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits}
 
 
 def _integer_tensors(path: Path) -> dict[str, np.ndarray]:
     """Every integer and scale tensor of a quantized output (DQ / MatMulNBits inputs), by name."""
-    model = _model(path)
-    inits = {t.name: t for t in model.graph.initializer}
+    model = load_proto(path)
+    inits = initializer_protos(model)
     names = {i for n in model.graph.node if n.op_type in ("DequantizeLinear", "MatMulNBits") for i in n.input[1:]}
     names |= {n.input[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
     return {k: numpy_helper.to_array(inits[k]) for k in names if k in inits}
@@ -185,7 +168,7 @@ def test_int4_modes(mode: str, decoder: Path, tmp_path: Path) -> None:
 
     # ModelOpt's form: DequantizeLinear(int4 / uint4, blocks of 128 along K, axis 0) -> MatMul at opset 21;
     # the LM head left in float (ModelOpt's default exclusion)
-    model = _model(qdq)
+    model = load_proto(qdq)
     assert {o.domain: o.version for o in model.opset_import}[""] == 21
     weights = _dq_weights(qdq)
     assert sorted(weights) == sorted(LINEARS)
@@ -196,12 +179,12 @@ def test_int4_modes(mode: str, decoder: Path, tmp_path: Path) -> None:
     dq_inputs = [len(n.input) for n in model.graph.node if n.op_type == "DequantizeLinear"]
     assert dq_inputs == [3 if zero_points else 2] * 14
     head = next(n for n in model.graph.node if n.name == "/lm_head/MatMul")
-    inits = {t.name: t for t in model.graph.initializer}
+    inits = initializer_protos(model)
     assert inits[head.input[1]].data_type == TensorProto.FLOAT
 
     # MatMulNBits: the same integers and scales, so the same logits (within float rounding)
     nb = _nbits(nbits)
-    assert sorted(nb) == sorted(LINEARS) and _ops(nbits)["DequantizeLinear"] == 0
+    assert sorted(nb) == sorted(LINEARS) and op_counts(nbits)["DequantizeLinear"] == 0
     assert all(a["bits"] == 4 and a["block_size"] == 128 for a in nb.values())
     for seed in (123, 124):
         a, b = _outputs(qdq, decoder, seed)[0], _outputs(nbits, decoder, seed)[0]
@@ -214,7 +197,7 @@ def test_int4_modes(mode: str, decoder: Path, tmp_path: Path) -> None:
 
         fast = _run(decoder, tmp_path, data=data, name="fast", **options)
         assert all(a.get("accuracy_level") == 4 for a in _nbits(fast).values())
-        assert not graph_paths(_model(fast).graph).slow()
+        assert not graph_paths(load_proto(fast).graph).slow()
         assert 1e-3 < _rel_error(decoder, fast) < bound
 
 
@@ -223,12 +206,13 @@ def test_awq_scales_are_folded_or_multiplied(decoder: Path, tmp_path: Path) -> N
     group reading the same activation), a Mul before o_proj and down_proj (their inputs come from no
     scaling op); without fusion, a Mul before every MatMul. ModelOpt 0.47.0 on CPU cannot fuse by itself
     (cupy's ``.get()`` on a numpy array): see test_awq_fusion_needs_the_cpu_fix."""
-    float_model = _model(decoder)
-    fused = _model(_run(decoder, tmp_path, data=DATA, name="fused", output_format="qdq"))
-    unfused = _model(_run(decoder, tmp_path, data=DATA, name="unfused", output_format="qdq", awqlite_fuse_nodes=False))
-    base_muls = collections.Counter(n.op_type for n in float_model.graph.node)["Mul"]
-    assert collections.Counter(n.op_type for n in fused.graph.node)["Mul"] == base_muls + 4
-    assert collections.Counter(n.op_type for n in unfused.graph.node)["Mul"] == base_muls + 14
+    float_model = load_proto(decoder)
+    fused = load_proto(_run(decoder, tmp_path, data=DATA, name="fused", output_format="qdq"))
+    unfused = load_proto(_run(decoder, tmp_path, data=DATA, name="unfused", output_format="qdq",
+                              awqlite_fuse_nodes=False))
+    base_muls = op_counts(float_model)["Mul"]
+    assert op_counts(fused)["Mul"] == base_muls + 4
+    assert op_counts(unfused)["Mul"] == base_muls + 14
 
     def norm_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
         return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if "layernorm.weight" in t.name}
@@ -288,7 +272,7 @@ def test_nodes_to_exclude(decoder: Path, tmp_path: Path) -> None:
     # a list of its own replaces the default (as ModelOpt's): the LM head is quantized unless listed
     out = _run(decoder, tmp_path, name="ex", algorithm="rtn", nodes_to_exclude=["/model/layers.1/mlp/*"])
     assert sorted(_nbits(out)) == sorted(n for n in [*LINEARS, "/lm_head/MatMul"] if "/layers.1/mlp/" not in n)
-    assert _ops(out)["MatMul"] == 3 + 4  # the excluded three, the four attention MatMuls
+    assert op_counts(out)["MatMul"] == 3 + 4  # the excluded three, the four attention MatMuls
     head = _run(decoder, tmp_path, name="head", algorithm="rtn", nodes_to_exclude=[])
     assert sorted(_nbits(head)) == sorted([*LINEARS, "/lm_head/MatMul"])
     with pytest.raises(UsageError, match="matches no node"):
@@ -303,12 +287,12 @@ def test_tied_table_stays_one_tensor(tmp_path: Path) -> None:
     table = "model.embed_tokens.weight"
 
     def tables(path: Path) -> list[str]:
-        return [t.name for t in _model(path).graph.initializer if t.name.startswith(table)]
+        return [t.name for t in load_proto(path).graph.initializer if t.name.startswith(table)]
 
     default = _run(src, tmp_path, name="default", algorithm="rtn")
     assert tables(default) == [table]
     both = _run(src, tmp_path, name="both", algorithm="rtn", nodes_to_exclude=[])
-    model = _model(both)
+    model = load_proto(both)
     dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
     assert len(tables(both)) == 2 and any(n.input[0].startswith(table) for n in dq)  # the int4 table + its scales
     readers = {n.op_type for n in model.graph.node for i in n.input if i.startswith(table) and "DequantizeLinear" in i}
@@ -404,14 +388,14 @@ INT8_BOUNDS = {"entropy": (0.028, 0.05), "max": (0.028, 0.046)}
 @pytest.mark.parametrize("method", sorted(INT8_BOUNDS))
 def test_int8(method: str, decoder: Path, tmp_path: Path) -> None:
     out = _run(decoder, tmp_path, "modelopt_int8", DATA, name=method, calibration_method=method)
-    model = _model(out)
-    inits = {t.name: t for t in model.graph.initializer}
-    ops = _ops(out)
+    model = load_proto(out)
+    inits = initializer_protos(model)
+    ops = op_counts(out)
     assert ops["QuantizeLinear"] > 0
     # dq_only: the 15 MatMul weights (the LM head included) stored as int8, per output channel
     weights = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
                and inits[n.input[0]].data_type == TensorProto.INT8]
-    assert len(weights) == 15 and all(_attrs(n).get("axis") == 1 for n in weights)
+    assert len(weights) == 15 and all(testing.attrs(n).get("axis") == 1 for n in weights)
     assert not any(n.op_type == "QuantizeLinear" and n.input[0] in inits for n in model.graph.node)
     _check_runs(out, decoder)
     vnni, avx2 = INT8_BOUNDS[method]
@@ -424,8 +408,8 @@ def test_int8_options(decoder: Path, tmp_path: Path) -> None:
     small = _run(decoder, tmp_path, "modelopt_int8", DATA, name="dq", calibration_method="max")
     assert small.stat().st_size < 0.4 * qdq.stat().st_size  # int8 instead of float weights: 0.34x measured
     assert _rel_error(decoder, qdq) < INT8_BOUNDS["max"][1]
-    fp16 = _model(_run(decoder, tmp_path, "modelopt_int8", DATA, name="fp16", high_precision_dtype="fp16",
-                       calibration_method="max", nodes_to_exclude=["/lm_head/MatMul"]))
+    fp16 = load_proto(_run(decoder, tmp_path, "modelopt_int8", DATA, name="fp16", high_precision_dtype="fp16",
+                           calibration_method="max", nodes_to_exclude=["/lm_head/MatMul"]))
     assert any(t.data_type == TensorProto.FLOAT16 for t in fp16.graph.initializer)
     assert fp16.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT  # the graph's types are kept
     head = next(n for n in fp16.graph.node if n.name == "/lm_head/MatMul")
@@ -439,12 +423,8 @@ def test_int8_options(decoder: Path, tmp_path: Path) -> None:
 @pytest.fixture
 def cli_logging():
     """The CLI points the ``bitpress`` logger at this test's captured stderr: put it back after."""
-    logger = logging.getLogger("bitpress")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    yield
-    logger.handlers[:] = saved[0]
-    logger.setLevel(saved[1])
-    logger.propagate = saved[2]
+    with restored_logger("bitpress"):
+        yield
 
 
 def test_cli_quantize_and_olive_style_recipe(run_cli, cli_logging, decoder: Path, tmp_path: Path) -> None:
@@ -495,13 +475,9 @@ def _ort_and_gs_state() -> dict[str, object]:
 
 
 def _process_state() -> dict[str, object]:
-    root = logging.getLogger()
     mo = logging.getLogger("modelopt.onnx")
     return {
-        "root_handlers": list(root.handlers), "root_level": root.level, "root_filters": list(root.filters),
-        "warning_filters": list(warnings.filters), "showwarning": warnings.showwarning,
-        "basicConfig": logging.basicConfig, "environ": dict(os.environ), "sys_path": list(sys.path),
-        "stdout": sys.stdout, "stderr": sys.stderr, "tempdir": tempfile.tempdir,
+        **process_state(), "tempdir": tempfile.tempdir,
         "modelopt_logger": (list(mo.handlers), mo.propagate, mo.level, type(mo)),
         "int4_np": sys.modules["modelopt.onnx.quantization.int4"].np,
         "tqdm_init": sys.modules["tqdm.std"].tqdm.__dict__["__init__"],
@@ -680,9 +656,7 @@ def test_first_import_is_contained(tmp_path: Path) -> None:
     """In a fresh process: ModelOpt's import (torch, logging set-up, warning filters, sys.path) leaves no trace."""
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    proc = subprocess.run([sys.executable, "-c", _FIRST_IMPORT], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_python(_FIRST_IMPORT, cwd=cwd, timeout=600)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["imported"] and result["same"] == [True] * 5, result
     assert result["root_saw"] == "", result["root_saw"][:300]

@@ -7,17 +7,15 @@ with the same message before any work. Skipped where ModelOpt is importable (its
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bitpress.errors import OptionError
 from bitpress.plugins import Registry
+from bitpress.testing import assert_plugin_loaded, run_python, unavailable_registry
 
 if importlib.util.find_spec("modelopt") is not None:
     pytest.skip("NVIDIA ModelOpt is installed here; see test_modelopt.py", allow_module_level=True)
@@ -32,11 +30,7 @@ HINT = (
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Registry:
     """The installed plugins, with no plugin environment (a `modelopt` one would run the passes)."""
-    if not any(ep.name == "modelopt" for ep in md.entry_points(group="bitpress")):
-        pytest.fail("bitpress-modelopt is not installed in this environment: run `make venv` "
-                    "(or pip install -e plugins/modelopt)")
-    monkeypatch.setenv("BITPRESS_ENVS", str(tmp_path / "no-envs"))
-    return Registry()
+    return unavailable_registry("modelopt", monkeypatch, tmp_path)
 
 
 def test_passes_listed_unavailable_with_install_commands(run_cli, registry: Registry) -> None:
@@ -53,7 +47,7 @@ def test_passes_listed_unavailable_with_install_commands(run_cli, registry: Regi
     lines = [line for line in out.splitlines() if line.startswith("modelopt_")]
     assert len(lines) == 2 and all(line.endswith(HINT) for line in lines), lines
     code, out, _ = run_cli("plugins", registry=registry)
-    assert any(line.startswith("modelopt ") and line.rstrip().endswith("ok") for line in out.splitlines()), out
+    assert_plugin_loaded(out, "modelopt")
 
 
 def test_passes_show_options_and_alias_without_modelopt(run_cli, registry: Registry) -> None:
@@ -86,8 +80,7 @@ def test_plugin_import_does_not_import_the_toolkit() -> None:
     # a fresh process: other tests of the session may have imported torch
     code = ("import sys, bitpress_modelopt; print(sorted(c.name for c in bitpress_modelopt.passes.PASSES), "
             "'modelopt' in sys.modules, 'torch' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_python(code, timeout=120)
     assert proc.stdout.split("]")[0] + "]" == str(sorted(PASSES)), proc.stdout
     assert proc.stdout.split()[-2:] == ["False", "False"], proc.stdout
 

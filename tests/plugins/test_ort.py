@@ -33,7 +33,6 @@ saturation); its test bound is CPU-aware (:func:`bitpress.cpu.int8_saturates`).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import importlib.util
 import io
@@ -52,10 +51,20 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
-from bitpress import synthetic
+from bitpress import testing
 from bitpress.api import quantize
 from bitpress.cpu import FLAGS_VAR, int8_saturates
 from bitpress.errors import OptionError, QuantizationError, UsageError
+from bitpress.testing import (
+    activation_scales,
+    initializers,
+    max_abs_int8_weight,
+    op_counts,
+    output_error,
+    restored_logger,
+    session,
+    zero_point_types,
+)
 
 if importlib.util.find_spec("bitpress_ort") is None:
     pytest.fail("bitpress-ort is not installed in this environment: run `make venv` (or pip install -e plugins/ort)")
@@ -123,12 +132,8 @@ def tiny_convnet(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def cli_logging():
     """The CLI points the ``bitpress`` logger at this test's captured stderr: put it back after."""
-    logger = logging.getLogger("bitpress")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    yield
-    logger.handlers[:] = saved[0]
-    logger.setLevel(saved[1])
-    logger.propagate = saved[2]
+    with restored_logger("bitpress"):
+        yield
 
 
 def _copy(src: Path, tmp_path: Path) -> Path:
@@ -159,51 +164,13 @@ def _report(result, pass_name: str):
     return reports[0]
 
 
-def _ops(path: Path) -> collections.Counter[str]:
-    return collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
-
-
-def _session(path: Path) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-
-
 def _rel_error(src: Path, out: Path) -> float:
-    """The worst relative L2 error over every output (ONNX Runtime runs them all) and two batches."""
-    ref, quant = _session(src), _session(out)
-    worst = 0.0
-    for seed in (123, 124):
-        feeds = synthetic.random_inputs(src, batch=2, seq=16, seed=seed)
-        outputs = quant.run(None, feeds)
-        assert len(outputs) == len(ref.get_outputs()) and all(np.isfinite(o).all() for o in outputs)
-        for a, b in zip(ref.run(None, feeds), outputs, strict=True):
-            worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(a)))
-    return worst
-
-
-def _initializers(path: Path) -> dict[str, np.ndarray]:
-    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
-
-
-def _activation_scales(path: Path) -> dict[str, float]:
-    """Scale of every QuantizeLinear (activations, QDQ), by the quantized tensor's name."""
-    model = onnx.load(str(path))
-    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    return {n.input[0]: float(inits[n.input[1]]) for n in model.graph.node
-            if n.op_type == "QuantizeLinear" and n.input[1] in inits}
-
-
-def _max_abs_weight(path: Path) -> int:
-    """The largest |q| of the int8 weights (1000+ values): 127 or 128 with 8 bits, 64 with reduce_range."""
-    weights = [numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer
-               if t.data_type == onnx.TensorProto.INT8 and math.prod(t.dims) >= 1000]
-    assert weights
-    return max(int(np.abs(w.astype(np.int16)).max()) for w in weights)
+    """The worst relative L2 error over every output (ONNX Runtime runs them all, all finite) and two batches."""
+    return output_error(src, out, every_output=True, finite=True)
 
 
 def _feeds(src: Path, data: dict) -> list[dict[str, np.ndarray]]:
-    from bitpress.data import DataConfig, iter_feeds
+    from bitpress.calibration.data import DataConfig, iter_feeds
 
     return list(iter_feeds(onnx.load(str(src)), DataConfig.from_value(data), src.parent))
 
@@ -241,7 +208,7 @@ STATIC_BOUNDS = {
 def test_static_qdq(method: str, models: dict[str, Path], tmp_path: Path) -> None:
     for which, src in models.items():
         out, result = _run(src, tmp_path, "ort_static", DATA, name=which, calibrate_method=method)
-        ops = _ops(out)
+        ops = op_counts(out)
         assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > 0
         assert not any(op.startswith("QLinear") for op in ops), "QDQ output keeps float compute ops"
         assert {o.domain for o in onnx.load(str(out)).opset_import} <= {"", "ai.onnx", "com.microsoft"}
@@ -258,7 +225,7 @@ def test_static_qoperator(models: dict[str, Path], tmp_path: Path) -> None:
     bounds = {"dec": 0.043, "enc": 0.046, "conv": 0.031}
     for which, src in models.items():
         out, _ = _run(src, tmp_path, "ort_static", DATA, name=which, quant_format="QOperator")
-        ops = _ops(out)
+        ops = op_counts(out)
         for op, n in expected[which].items():
             assert ops[op] == n, (which, op, dict(ops))
         assert ops["MatMul"] + ops["Gemm"] + ops["Conv"] == 0 or which == "dec", dict(ops)
@@ -266,7 +233,7 @@ def test_static_qoperator(models: dict[str, Path], tmp_path: Path) -> None:
     # ONNX Runtime's recommended CPU pairing: QUInt8 activations, QInt8 weights
     out, _ = _run(models["conv"], tmp_path, "ort_static", DATA, name="u8s8", quant_format="QOperator",
                   activation_type="QUInt8")
-    assert _ops(out)["QLinearConv"] == 6 and _rel_error(models["conv"], out) < 0.031
+    assert op_counts(out)["QLinearConv"] == 6 and _rel_error(models["conv"], out) < 0.031
 
 
 def test_static_matches_ort_quantize_static(tiny_decoder: Path, tiny_convnet: Path, tmp_path: Path) -> None:
@@ -286,18 +253,14 @@ def test_static_matches_ort_quantize_static(tiny_decoder: Path, tiny_convnet: Pa
             with _quiet():
                 quantize_static(str(copy), str(ref), _Reader(_feeds(copy, DATA)), quant_format=QuantFormat[fmt],
                                 per_channel=per_channel)
-            a, b = _initializers(ours), _initializers(ref)
+            a, b = initializers(ours), initializers(ref)
             assert a.keys() == b.keys(), name
             assert all(np.array_equal(a[k], b[k]) for k in a), name
 
 
 def test_per_channel_and_reduce_range(tiny_decoder: Path, tiny_convnet: Path, tmp_path: Path) -> None:
     def weight_scales(path: Path) -> list[np.ndarray]:
-        model = onnx.load(str(path))
-        inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-        into = {i for n in model.graph.node if n.op_type in ("MatMul", "Conv") for i in n.input}
-        return [inits[n.input[1]] for n in model.graph.node
-                if n.op_type == "DequantizeLinear" and n.input[0] in inits and n.output[0] in into]
+        return testing.weight_scales(path, ("MatMul", "Conv"))
 
     for src in (tiny_decoder, tiny_convnet):
         per_tensor = weight_scales(_run(src, tmp_path, "ort_static", DATA, name=f"{src.parent.name}-pt")[0])
@@ -309,21 +272,12 @@ def test_per_channel_and_reduce_range(tiny_decoder: Path, tiny_convnet: Path, tm
     for reduce_range in (True, False):
         out, result = _run(tiny_decoder, tmp_path, "ort_static", DATA, name=f"rr{reduce_range}",
                            reduce_range=reduce_range)
-        assert _max_abs_weight(out) == 64 if reduce_range else _max_abs_weight(out) >= 127
+        assert max_abs_int8_weight(out) == 64 if reduce_range else max_abs_int8_weight(out) >= 127
         details = _report(result, "ort_static").to_json()
         assert details["reduce_range"] is reduce_range and details["reduce_range_reason"] == "set explicitly"
 
 
 def test_activation_and_weight_types(tiny_decoder: Path, tmp_path: Path) -> None:
-    def zero_point_types(path: Path) -> tuple[set, set]:
-        model = onnx.load(str(path))
-        inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-        weights, acts = set(), set()
-        for n in model.graph.node:
-            if n.op_type == "DequantizeLinear" and len(n.input) > 2 and n.input[2] in inits:
-                (weights if n.input[0] in inits else acts).add(inits[n.input[2]].dtype)
-        return weights, acts
-
     s8 = _run(tiny_decoder, tmp_path, "ort_static", DATA, name="s8")[0]
     assert zero_point_types(s8) == ({np.dtype(np.int8)}, {np.dtype(np.int8)})
     u8, _ = _run(tiny_decoder, tmp_path, "ort_static", DATA, name="u8", activation_type="QUInt8", weight_type="QUInt8")
@@ -332,19 +286,19 @@ def test_activation_and_weight_types(tiny_decoder: Path, tmp_path: Path) -> None
     # Olive 0.9's spellings: precision (its weight type) and lower-case type names
     olive, _ = _run(tiny_decoder, tmp_path, "ort_static", DATA, name="olive", precision="uint8",
                     activation_type="uint8")
-    a, b = _initializers(u8), _initializers(olive)
+    a, b = initializers(u8), initializers(olive)
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     with pytest.raises(OptionError, match="precision=int8 contradicts weight_type=QUInt8"):
         _run(tiny_decoder, tmp_path, "ort_static", DATA, name="bad", precision="int8", weight_type="QUInt8")
 
 
 def test_calibration_data_and_method_reach_the_ranges(tiny_convnet: Path, tmp_path: Path) -> None:
-    minmax = _activation_scales(_run(tiny_convnet, tmp_path, "ort_static", DATA, name="mm")[0])
-    entropy = _activation_scales(_run(tiny_convnet, tmp_path, "ort_static", DATA, name="ent",
-                                      calibrate_method="Entropy")[0])
-    pct = _activation_scales(_run(tiny_convnet, tmp_path, "ort_static", DATA, name="pct", calibrate_method="Percentile",
-                                  extra_options={"CalibPercentile": 99.0})[0])
-    other = _activation_scales(_run(tiny_convnet, tmp_path, "ort_static", {**DATA, "seed": 7}, name="seed7")[0])
+    minmax = activation_scales(_run(tiny_convnet, tmp_path, "ort_static", DATA, name="mm")[0])
+    entropy = activation_scales(_run(tiny_convnet, tmp_path, "ort_static", DATA, name="ent",
+                                     calibrate_method="Entropy")[0])
+    pct = activation_scales(_run(tiny_convnet, tmp_path, "ort_static", DATA, name="pct", calibrate_method="Percentile",
+                                 extra_options={"CalibPercentile": 99.0})[0])
+    other = activation_scales(_run(tiny_convnet, tmp_path, "ort_static", {**DATA, "seed": 7}, name="seed7")[0])
     assert minmax.keys() == entropy.keys() == pct.keys() == other.keys()
     assert sum(entropy[k] < minmax[k] * 0.99 for k in minmax) >= 3, "Entropy must clip some ranges"
     assert sum(pct[k] < minmax[k] * 0.99 for k in minmax) > len(minmax) // 2, "the 99th percentile clips most"
@@ -439,15 +393,15 @@ def test_distribution_is_refused_with_the_reason(tiny_convnet: Path, tmp_path: P
         bound = max(abs(lo), abs(hi))
         np.testing.assert_allclose(ranges["Distribution"][k], [-bound, bound], rtol=1e-6)
     # Relus dropped: measured .93 (MinMax on the same data: .0105)
-    assert _ops(dist)["Relu"] == 0 and _rel_error(tiny_convnet, dist) > 0.5
+    assert op_counts(dist)["Relu"] == 0 and _rel_error(tiny_convnet, dist) > 0.5
     with pytest.raises(OptionError, match="Distribution is ONNX Runtime's calibration for float8"):
         _run(tiny_convnet, tmp_path, "ort_static", DATA, name="refused", calibrate_method="Distribution")
     assert not (tmp_path / "refused.onnx").exists()
 
 
 def test_include_exclude(tiny_encoder: Path, tiny_decoder: Path, tmp_path: Path) -> None:
-    ops = _ops(_run(tiny_encoder, tmp_path, "ort_static", DATA, name="nogemm", quant_format="QOperator",
-                    op_types_to_exclude=["Gemm"])[0])
+    ops = op_counts(_run(tiny_encoder, tmp_path, "ort_static", DATA, name="nogemm", quant_format="QOperator",
+                         op_types_to_exclude=["Gemm"])[0])
     assert ops["Gemm"] == 4 and ops["QGemm"] == 0 and ops["QLinearMatMul"] == 12
     q = "/model/layers.0/self_attn/q_proj/MatMul"
     out, _ = _run(tiny_decoder, tmp_path, "ort_static", DATA, name="noq", quant_format="QOperator",
@@ -459,11 +413,11 @@ def test_include_exclude(tiny_encoder: Path, tiny_decoder: Path, tmp_path: Path)
     fewer = _report(_run(tiny_decoder, tmp_path, "ort_static", DATA, name="nolayer0", nodes_to_exclude=layer0)[1],
                     "ort_static")
     assert fewer.details["calibration"]["tensors"] < every.details["calibration"]["tensors"] - 20
-    ops = _ops(_run(tiny_decoder, tmp_path, "ort_static", DATA, name="one", quant_format="QOperator",
-                    nodes_to_quantize=["/model/layers.1/mlp/down_proj/MatMul"])[0])
+    ops = op_counts(_run(tiny_decoder, tmp_path, "ort_static", DATA, name="one", quant_format="QOperator",
+                         nodes_to_quantize=["/model/layers.1/mlp/down_proj/MatMul"])[0])
     assert ops["QLinearMatMul"] == 1 and ops["MatMul"] == 18
-    ops = _ops(_run(tiny_decoder, tmp_path, "ort_static", DATA, name="mm", quant_format="QOperator",
-                    op_types_to_quantize=["MatMul"], activation_type="QUInt8")[0])
+    ops = op_counts(_run(tiny_decoder, tmp_path, "ort_static", DATA, name="mm", quant_format="QOperator",
+                         op_types_to_quantize=["MatMul"], activation_type="QUInt8")[0])
     assert ops["QLinearMatMul"] == 19 and not any(op.startswith("QLinear") and op != "QLinearMatMul" for op in ops)
 
 
@@ -478,7 +432,7 @@ def test_output_onnx_runtime_rejects_at_load_is_refused(tiny_decoder: Path, tmp_
     with _quiet():
         quantize_static(str(src), str(ref), _Reader(_feeds(src, DATA)), op_types_to_quantize=["MatMul"])
     with pytest.raises(Exception, match="output_dtype INT8 does not match y_zero_point type UINT8"):
-        _session(ref)
+        session(ref)
     basic = ort.SessionOptions()
     basic.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     ort.InferenceSession(str(ref), basic, providers=["CPUExecutionProvider"])
@@ -487,7 +441,7 @@ def test_output_onnx_runtime_rejects_at_load_is_refused(tiny_decoder: Path, tmp_
     assert not (tmp_path / "refused.onnx").exists()
     out, _ = _run(tiny_decoder, tmp_path, "ort_static", DATA, name="u8", op_types_to_quantize=["MatMul"],
                   activation_type="QUInt8")
-    assert _ops(out)["QuantizeLinear"] > 0 and _rel_error(tiny_decoder, out) < 0.052
+    assert op_counts(out)["QuantizeLinear"] > 0 and _rel_error(tiny_decoder, out) < 0.052
 
 
 def test_streamed_calibration(tiny_convnet: Path, tmp_path: Path) -> None:
@@ -496,7 +450,7 @@ def test_streamed_calibration(tiny_convnet: Path, tmp_path: Path) -> None:
     parts, r2 = _run(tiny_convnet, tmp_path, "ort_static", DATA, name="parts", calibration_chunk_size=3)
     assert _report(r1, "ort_static").details["calibration"]["chunks"] == 1
     assert _report(r2, "ort_static").details["calibration"]["chunks"] == 3
-    a, b = _initializers(whole), _initializers(parts)
+    a, b = initializers(whole), initializers(parts)
     assert all(np.array_equal(a[k], b[k]) for k in a)
     _, r3 = _run(tiny_convnet, tmp_path, "ort_static", DATA, name="auto", calibrate_method="Percentile")
     assert _report(r3, "ort_static").details["calibration"]["chunks"] == 2  # 1 sample first, then the rest fit
@@ -557,9 +511,9 @@ def test_preprocess_auto(models: dict[str, Path], tmp_path: Path) -> None:
             assert "model.embed_tokens.weight twice" in details["quant_preprocess_reason"]
         if which == "conv":
             assert "folds BatchNormalization" in details["quant_preprocess_reason"]
-            assert _ops(out)["BatchNormalization"] == 0
+            assert op_counts(out)["BatchNormalization"] == 0
             raw, _ = _run(src, tmp_path, "ort_static", DATA, name="raw", quant_preprocess=False)
-            assert _ops(raw)["BatchNormalization"] == 3 and out.stat().st_size < raw.stat().st_size
+            assert op_counts(raw)["BatchNormalization"] == 3 and out.stat().st_size < raw.stat().st_size
 
 
 def test_preprocess_is_onnx_runtimes(tiny_encoder: Path, tiny_convnet: Path, tmp_path: Path) -> None:
@@ -582,7 +536,7 @@ def test_preprocess_is_onnx_runtimes(tiny_encoder: Path, tiny_convnet: Path, tmp
         assert [(n.op_type, list(n.input), list(n.output)) for n in a.graph.node] == [
             (n.op_type, list(n.input), list(n.output)) for n in b.graph.node]
         assert {v.name for v in a.graph.value_info} == {v.name for v in b.graph.value_info}
-        ia, ib = _initializers(ours), _initializers(ref)
+        ia, ib = initializers(ours), initializers(ref)
         assert ia.keys() == ib.keys() and all(np.array_equal(ia[k], ib[k]) for k in ia)
 
 
@@ -595,7 +549,7 @@ def test_dynamic(models: dict[str, Path], tmp_path: Path) -> None:
     for which, src in models.items():
         for per_channel in (False, True):
             out, result = _run(src, tmp_path, "ort_dynamic", name=f"{which}{per_channel}", per_channel=per_channel)
-            ops = _ops(out)
+            ops = op_counts(out)
             op, n = expected[which]
             assert ops[op] == n and ops["DynamicQuantizeLinear"] > 0, (which, dict(ops))
             assert ops["QuantizeLinear"] == 0, "dynamic quantization needs no calibrated activation ranges"
@@ -609,7 +563,7 @@ def test_dynamic_reduce_range_is_cpu_aware(tiny_decoder: Path, tmp_path: Path, m
     for reduce_range in (False, True):
         out, _ = _run(tiny_decoder, tmp_path, "ort_dynamic", name=f"rr{reduce_range}", per_channel=True,
                       reduce_range=reduce_range)
-        assert _max_abs_weight(out) == 64 if reduce_range else _max_abs_weight(out) >= 127
+        assert max_abs_int8_weight(out) == 64 if reduce_range else max_abs_int8_weight(out) >= 127
         errors[reduce_range] = _rel_error(tiny_decoder, out)
     assert errors[True] < 0.019, errors
     assert errors[False] < (0.037 if int8_saturates() else 0.019), errors
@@ -617,7 +571,7 @@ def test_dynamic_reduce_range_is_cpu_aware(tiny_decoder: Path, tmp_path: Path, m
     out, result = _run(tiny_decoder, tmp_path, "ort_dynamic", name="auto-avx2")
     details = _report(result, "ort_dynamic").details
     assert details["reduce_range"] is True and details["reduce_range_reason"].startswith("auto: x86 CPU with avx2")
-    assert _max_abs_weight(out) == 64
+    assert max_abs_int8_weight(out) == 64
 
 
 def test_aliases_and_cli(run_cli, cli_logging, tiny_encoder: Path, tmp_path: Path) -> None:
@@ -645,15 +599,15 @@ def test_tune_reports_every_trial_and_returns_the_best(tiny_convnet: Path, tmp_p
     assert all(1e-3 < e < 0.05 for e in errors) and report.held_back == 3
     assert report.best == int(np.argmin(errors))
     # the output is the best trial: its error on the held-back samples is the reported one
-    from bitpress.data import DataConfig, iter_feeds
+    from bitpress.calibration.data import DataConfig, iter_feeds
     from bitpress_ort.tuning import score
 
     feeds = list(iter_feeds(onnx.load(str(tiny_convnet)), DataConfig.from_value(data), tiny_convnet.parent))[-3:]
-    sess = _session(tiny_convnet)
+    sess = session(tiny_convnet)
     reference = [sess.run(None, f) for f in feeds]
     assert score(out, feeds, reference, ["logits"])[0] == pytest.approx(errors[report.best], rel=1e-9)
     winner = report.trials[report.best].setting
-    ops = _ops(out)
+    ops = op_counts(out)
     assert (ops["ConvInteger"] > 0) == (winner.mode == "dynamic")
     assert (ops["QLinearConv"] > 0) == (winner.quant_format == "QOperator")
     table = report.summary().splitlines()

@@ -23,14 +23,12 @@ figure is that of ``reduce_range=true``. The bounds hold on both classes. Under 
 
 from __future__ import annotations
 
-import collections
 import gc
 import importlib.util
 import json
 import logging
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -39,9 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
-from onnx import numpy_helper
 
 if importlib.util.find_spec("quark") is None or importlib.util.find_spec("torch") is None:
     pytest.skip("AMD Quark is not installed here (bitpress env create quark)", allow_module_level=True)
@@ -53,10 +49,25 @@ from bitpress.errors import QuantizationError, UsageError
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.save import save_onnx
 from bitpress.passes import PassContext
+from bitpress.testing import (
+    activation_scales,
+    assert_plain_onnx,
+    attrs,
+    initializers,
+    matmul_nbits_nodes,
+    max_abs_int8_weight,
+    op_counts,
+    output_error,
+    process_state,
+    restored_logger,
+    run_python,
+    session,
+    weight_scales,
+    zero_point_types,
+)
 
 #: calibration data for the static passes: the host's random source, 8 samples of 32 tokens
 DATA = {"source": "random", "samples": 8, "seq_len": 32}
-STANDARD_DOMAINS = {"", "ai.onnx", "com.microsoft"}
 
 
 def _run(src: Path, tmp_path: Path, pass_name: str, /, data: object = None, name: str | None = None,
@@ -65,61 +76,6 @@ def _run(src: Path, tmp_path: Path, pass_name: str, /, data: object = None, name
     out = tmp_path / f"{name or pass_name}.onnx"
     quantize(src, out, algorithm=pass_name, options=options, data=data)
     return out
-
-
-def _ops(path: Path) -> collections.Counter[str]:
-    return collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
-
-
-def _session(path: Path) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-
-
-def _rel_error(src: Path, out: Path) -> float:
-    ref, quant = _session(src), _session(out)
-    worst = 0.0
-    for seed in (123, 124):
-        feeds = synthetic.random_inputs(src, batch=2, seq=16, seed=seed)
-        a, b = ref.run(None, feeds)[0], quant.run(None, feeds)[0]
-        worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(a)))
-    return worst
-
-
-def _assert_plain_onnx(path: Path) -> None:
-    """Only standard / com.microsoft ops, every used domain declared, nothing else declared."""
-    model = onnx.load(str(path))
-    used = {n.domain for n in model.graph.node}
-    declared = {o.domain for o in model.opset_import}
-    assert used <= STANDARD_DOMAINS, f"ops from {used - STANDARD_DOMAINS} need Quark's custom-op library"
-    assert used - {""} <= declared
-    assert declared <= STANDARD_DOMAINS, f"unused opset imports left: {declared - STANDARD_DOMAINS}"
-
-
-def _initializers(path: Path) -> dict[str, np.ndarray]:
-    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
-
-
-def _activation_scales(path: Path) -> dict[str, float]:
-    """Scale of every QuantizeLinear (activations), by the quantized tensor's name."""
-    model = onnx.load(str(path))
-    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    return {n.input[0]: float(inits[n.input[1]]) for n in model.graph.node
-            if n.op_type == "QuantizeLinear" and n.input[1] in inits}
-
-
-def _int8_weights(path: Path) -> list[np.ndarray]:
-    """The int8/uint8 weights (initializers of 1000+ values) of a quantized model."""
-    return [numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer
-            if t.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8) and math.prod(t.dims) >= 1000]
-
-
-def _max_abs_weight(path: Path) -> int:
-    """The largest |q| of the int8 weights: 127 with 8-bit weights, 64 with reduce_range."""
-    weights = [w for w in _int8_weights(path) if w.dtype == np.int8]
-    assert weights
-    return max(int(np.abs(w.astype(np.int16)).max()) for w in weights)
 
 
 # -- static int8 ------------------------------------------------------------------------------------
@@ -143,28 +99,28 @@ def test_static_qdq_calibration_methods(method: str, tiny_encoder: Path, tiny_de
         if bound is None:
             continue
         out = _run(src, tmp_path, "quark_static", DATA, name=which, calibration_method=method)
-        ops = _ops(out)
+        ops = op_counts(out)
         assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > 0
         assert not any(op.startswith("QLinear") for op in ops), "QDQ output must keep float compute ops"
-        _assert_plain_onnx(out)
-        err = _rel_error(src, out)
+        assert_plain_onnx(out)
+        err = output_error(src, out)
         assert 1e-3 < err < bound, f"{method} on {which}: error {err:.4f}"
 
 
 def test_power_of_two_methods_give_power_of_two_scales(tiny_encoder: Path, tmp_path: Path) -> None:
     for method in ("minmse", "nonoverflow"):
-        scales = _activation_scales(_run(tiny_encoder, tmp_path, "quark_static", DATA, name=method,
-                                         calibration_method=method))
+        scales = activation_scales(_run(tiny_encoder, tmp_path, "quark_static", DATA, name=method,
+                                        calibration_method=method))
         assert scales and all(math.log2(s) == round(math.log2(s)) for s in scales.values()), method
-    scales = _activation_scales(_run(tiny_encoder, tmp_path, "quark_static", DATA, name="minmax"))
+    scales = activation_scales(_run(tiny_encoder, tmp_path, "quark_static", DATA, name="minmax"))
     assert not all(math.log2(s) == round(math.log2(s)) for s in scales.values())
 
 
 def test_calibration_method_and_data_reach_quark(tiny_encoder: Path, tmp_path: Path) -> None:
-    base = _activation_scales(_run(tiny_encoder, tmp_path, "quark_static", DATA, name="minmax"))
-    pct = _activation_scales(_run(tiny_encoder, tmp_path, "quark_static", DATA, name="pct",
-                                  calibration_method="percentile", percentile=99.0))
-    other_data = _activation_scales(_run(tiny_encoder, tmp_path, "quark_static", {**DATA, "seed": 7}, name="seed7"))
+    base = activation_scales(_run(tiny_encoder, tmp_path, "quark_static", DATA, name="minmax"))
+    pct = activation_scales(_run(tiny_encoder, tmp_path, "quark_static", DATA, name="pct",
+                                 calibration_method="percentile", percentile=99.0))
+    other_data = activation_scales(_run(tiny_encoder, tmp_path, "quark_static", {**DATA, "seed": 7}, name="seed7"))
     assert base.keys() == pct.keys() == other_data.keys()
     assert sum(pct[k] < base[k] for k in base) > len(base) // 2, "the 99th percentile must clip most ranges"
     assert any(not math.isclose(other_data[k], base[k]) for k in base), "other data must change some ranges"
@@ -175,8 +131,8 @@ def test_calibration_from_npz_file(tiny_encoder: Path, tmp_path: Path) -> None:
     npz = tmp_path / "calib.npz"
     np.savez(npz, **{k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]})
     out = _run(tiny_encoder, tmp_path, "quark_static", {"source": str(npz), "samples": 4})
-    assert _ops(out)["QuantizeLinear"] > 0
-    assert _rel_error(tiny_encoder, out) < 0.055  # as minmax on the encoder: VNNI .033, AVX2 (auto: 7 bits) .037
+    assert op_counts(out)["QuantizeLinear"] > 0
+    assert output_error(tiny_encoder, out) < 0.055  # as minmax on the encoder: VNNI .033, AVX2 (auto: 7 bits) .037
 
 
 def test_entropy_fallback_is_refused(tiny_decoder: Path, tmp_path: Path) -> None:
@@ -191,15 +147,15 @@ def test_static_qoperator(tiny_encoder: Path, tiny_decoder: Path, tmp_path: Path
     # measured: encoder .030 (QLinearMatMul x12, QGemm x4), decoder .029 (QLinearMatMul x19) on VNNI;
     # AVX2 (auto: reduce_range true) .030 / .032
     enc = _run(tiny_encoder, tmp_path, "quark_static", DATA, name="enc", quant_format="qoperator")
-    ops = _ops(enc)
+    ops = op_counts(enc)
     assert ops["QLinearMatMul"] == 12 and ops["QGemm"] == 4 and ops["MatMul"] == 0 and ops["Gemm"] == 0
-    _assert_plain_onnx(enc)
-    assert 1e-3 < _rel_error(tiny_encoder, enc) < 0.045
+    assert_plain_onnx(enc)
+    assert 1e-3 < output_error(tiny_encoder, enc) < 0.045
     dec = _run(tiny_decoder, tmp_path, "quark_static", DATA, name="dec", quant_format="qoperator")
-    ops = _ops(dec)
+    ops = op_counts(dec)
     assert ops["QLinearMatMul"] == 19 and ops["MatMul"] == 0 and ops["QLinearAdd"] > 0
-    _assert_plain_onnx(dec)
-    assert 1e-3 < _rel_error(tiny_decoder, dec) < 0.045
+    assert_plain_onnx(dec)
+    assert 1e-3 < output_error(tiny_decoder, dec) < 0.045
 
 
 def test_per_channel_weights(tiny_decoder: Path, tmp_path: Path) -> None:
@@ -209,14 +165,6 @@ def test_per_channel_weights(tiny_decoder: Path, tmp_path: Path) -> None:
     # (cpu.int8_saturates: AVX2 / AVX-512 without VNNI), reduce_range=false gets the measured
     # AVX2 figure's bound; one bound for both classes (.14) would let a quantizer three times
     # worse than this one pass on VNNI CPUs, so VNNI CPUs keep the tight bound.
-    def weight_scales(path: Path) -> list[np.ndarray]:
-        """Scales of the dequantized MatMul weights (the embedding table's Gather stays per tensor)."""
-        model = onnx.load(str(path))
-        inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-        into_matmul = {i for n in model.graph.node if n.op_type == "MatMul" for i in n.input}
-        return [inits[n.input[1]] for n in model.graph.node
-                if n.op_type == "DequantizeLinear" and n.input[0] in inits and n.output[0] in into_matmul]
-
     per_tensor = weight_scales(_run(tiny_decoder, tmp_path, "quark_static", DATA, name="pt"))
     assert per_tensor and all(s.size == 1 for s in per_tensor)
     errors = {}
@@ -225,48 +173,39 @@ def test_per_channel_weights(tiny_decoder: Path, tmp_path: Path) -> None:
                    reduce_range=reduce_range)
         per_channel = weight_scales(out)
         assert per_channel and all(s.ndim == 1 and s.size > 1 for s in per_channel)
-        assert _max_abs_weight(out) == (64 if reduce_range else 127)
-        errors[reduce_range] = _rel_error(tiny_decoder, out)
+        assert max_abs_int8_weight(out) == (64 if reduce_range else 127)
+        errors[reduce_range] = output_error(tiny_decoder, out)
     assert errors[True] < 0.045, errors
     assert errors[False] < (0.14 if int8_saturates() else 0.045), errors
     qop = _run(tiny_decoder, tmp_path, "quark_static", DATA, name="qop", quant_format="qoperator", per_channel=True)
-    assert _ops(qop)["QLinearMatMul"] == 19 and _rel_error(tiny_decoder, qop) < 0.045
+    assert op_counts(qop)["QLinearMatMul"] == 19 and output_error(tiny_decoder, qop) < 0.045
 
 
 def test_activation_and_weight_types(tiny_decoder: Path, tmp_path: Path) -> None:
-    def zero_point_types(path: Path) -> tuple[set, set]:
-        model = onnx.load(str(path))
-        inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-        weights, acts = set(), set()
-        for n in model.graph.node:
-            if n.op_type == "DequantizeLinear" and len(n.input) > 2 and n.input[2] in inits:
-                (weights if n.input[0] in inits else acts).add(inits[n.input[2]].dtype)
-        return weights, acts
-
     assert zero_point_types(_run(tiny_decoder, tmp_path, "quark_static", DATA, name="s8")) == (
         {np.dtype(np.int8)}, {np.dtype(np.int8)})
     out = _run(tiny_decoder, tmp_path, "quark_static", DATA, name="u8", activation_type="uint8", weight_type="uint8")
     assert zero_point_types(out) == ({np.dtype(np.uint8)}, {np.dtype(np.uint8)})
-    assert _rel_error(tiny_decoder, out) < 0.045  # measured .029 VNNI, .034 AVX2 (auto: 7-bit weights)
+    assert output_error(tiny_decoder, out) < 0.045  # measured .029 VNNI, .034 AVX2 (auto: 7-bit weights)
 
 
 def test_static_include_exclude(tiny_encoder: Path, tiny_decoder: Path, tmp_path: Path) -> None:
     q = "/model/layers.0/self_attn/q_proj/MatMul"
-    ops = _ops(_run(tiny_encoder, tmp_path, "quark_static", DATA, name="nogemm", quant_format="qoperator",
-                    op_types_to_exclude=["Gemm"]))
+    ops = op_counts(_run(tiny_encoder, tmp_path, "quark_static", DATA, name="nogemm", quant_format="qoperator",
+                         op_types_to_exclude=["Gemm"]))
     assert ops["Gemm"] == 4 and ops["QGemm"] == 0 and ops["QLinearMatMul"] == 12
 
     out = _run(tiny_decoder, tmp_path, "quark_static", DATA, name="noq", quant_format="qoperator",
                nodes_to_exclude=[q])
     assert [n.name for n in onnx.load(str(out)).graph.node if n.op_type == "MatMul"] == [q]
-    ops = _ops(_run(tiny_decoder, tmp_path, "quark_static", DATA, name="nolayer0", quant_format="qoperator",
-                    nodes_to_exclude=["^/model/layers.0/.*"]))
+    ops = op_counts(_run(tiny_decoder, tmp_path, "quark_static", DATA, name="nolayer0", quant_format="qoperator",
+                         nodes_to_exclude=["^/model/layers.0/.*"]))
     assert ops["MatMul"] == 9 and ops["QLinearMatMul"] == 10  # 7 linears + 2 attention MatMuls per layer
-    ops = _ops(_run(tiny_decoder, tmp_path, "quark_static", DATA, name="one", quant_format="qoperator",
-                    nodes_to_quantize=["/model/layers.1/mlp/down_proj/MatMul"]))
+    ops = op_counts(_run(tiny_decoder, tmp_path, "quark_static", DATA, name="one", quant_format="qoperator",
+                         nodes_to_quantize=["/model/layers.1/mlp/down_proj/MatMul"]))
     assert ops["QLinearMatMul"] == 1 and ops["MatMul"] == 18
-    ops = _ops(_run(tiny_decoder, tmp_path, "quark_static", DATA, name="mm", quant_format="qoperator",
-                    op_types_to_quantize=["MatMul"]))
+    ops = op_counts(_run(tiny_decoder, tmp_path, "quark_static", DATA, name="mm", quant_format="qoperator",
+                         op_types_to_quantize=["MatMul"]))
     assert ops["QLinearMatMul"] == 19 and not any(op.startswith("QLinear") and op != "QLinearMatMul" for op in ops)
 
 
@@ -288,11 +227,11 @@ def test_dynamic(tiny_encoder: Path, tiny_decoder: Path, tmp_path: Path) -> None
     for which, src, matmuls in (("enc", tiny_encoder, 12), ("dec", tiny_decoder, 14)):
         for i, opts in enumerate(({}, {"weight_type": "uint8"}, {"per_channel": True})):
             out = _run(src, tmp_path, "quark_dynamic", name=f"{which}{i}", **opts)
-            ops = _ops(out)
+            ops = op_counts(out)
             assert ops["DynamicQuantizeLinear"] > 0 and ops["MatMulInteger"] == matmuls
             assert ops["QuantizeLinear"] == 0, "dynamic quantization needs no calibrated activation ranges"
-            _assert_plain_onnx(out)
-            assert 1e-3 < _rel_error(src, out) < 0.02, (which, opts)
+            assert_plain_onnx(out)
+            assert 1e-3 < output_error(src, out) < 0.02, (which, opts)
 
 
 def test_dynamic_reduce_range(tiny_decoder: Path, tmp_path: Path) -> None:
@@ -305,8 +244,8 @@ def test_dynamic_reduce_range(tiny_decoder: Path, tmp_path: Path) -> None:
         for reduce_range in (False, True):
             out = _run(tiny_decoder, tmp_path, "quark_dynamic", name=f"{len(opts)}rr{int(reduce_range)}",
                        reduce_range=reduce_range, **opts)
-            assert _max_abs_weight(out) == (64 if reduce_range else 127)
-            errors[reduce_range] = _rel_error(tiny_decoder, out)
+            assert max_abs_int8_weight(out) == (64 if reduce_range else 127)
+            errors[reduce_range] = output_error(tiny_decoder, out)
         assert 1e-3 < errors[True] < 0.02, (opts, errors)
         assert 1e-3 < errors[False] < (0.036 if saturates else 0.02), (opts, errors)
 
@@ -325,13 +264,13 @@ def test_reduce_range_auto_follows_the_cpu(flags: str, expected: bool, feature: 
     caplog.set_level(logging.INFO, logger="bitpress_quark")
     value = "true" if expected else "false"
     result = quantize(tiny_decoder, tmp_path / "dyn.onnx", algorithm="quark_dynamic")
-    assert _max_abs_weight(tmp_path / "dyn.onnx") == (64 if expected else 127)
+    assert max_abs_int8_weight(tmp_path / "dyn.onnx") == (64 if expected else 127)
     summaries = [rep.summary() for name, _src, rep in result.reports if name == "quark_dynamic"]
     assert any(s.startswith(f"reduce_range={value} (auto: ") and feature in s for s in summaries), summaries
     assert any(f"quark_dynamic: reduce_range={value} (auto" in r.getMessage() for r in caplog.records)
     if feature == "avx2":  # the static pass takes the same decision
         result = quantize(tiny_decoder, tmp_path / "st.onnx", algorithm="quark_static", data=DATA)
-        assert _max_abs_weight(tmp_path / "st.onnx") == 64
+        assert max_abs_int8_weight(tmp_path / "st.onnx") == 64
         assert any(rep.summary().startswith("reduce_range=true (auto: ") for _n, _s, rep in result.reports)
 
 
@@ -344,71 +283,63 @@ def test_reduce_range_in_cli_json(run_cli, cli_logging, tiny_decoder: Path, tmp_
     reports = json.loads(stdout)["reports"]
     assert {"pass": "quark_dynamic", "model": str(tiny_decoder),
             "summary": "reduce_range=false (set explicitly)"} in reports, reports
-    assert _max_abs_weight(out) == 127
+    assert max_abs_int8_weight(out) == 127
     code, _, err = run_cli("quantize", "-m", tiny_decoder, "-o", tmp_path / "x.onnx", "--algorithm", "quark_dynamic",
                            "--option", "reduce_range=maybe")
     assert code == 2 and "reduce_range='maybe' is not a valid 'auto' | bool" in err, err
 
 
 def test_dynamic_include_exclude(tiny_decoder: Path, tmp_path: Path) -> None:
-    ops = _ops(_run(tiny_decoder, tmp_path, "quark_dynamic", name="noq",
-                    nodes_to_exclude=["/model/layers.0/self_attn/q_proj/MatMul"]))
+    ops = op_counts(_run(tiny_decoder, tmp_path, "quark_dynamic", name="noq",
+                         nodes_to_exclude=["/model/layers.0/self_attn/q_proj/MatMul"]))
     assert ops["MatMulInteger"] == 13
-    ops = _ops(_run(tiny_decoder, tmp_path, "quark_dynamic", name="nogather", op_types_to_exclude=["Gather"]))
+    ops = op_counts(_run(tiny_decoder, tmp_path, "quark_dynamic", name="nogather", op_types_to_exclude=["Gather"]))
     assert ops["DequantizeLinear"] == 0 and ops["MatMulInteger"] == 14  # the embedding table stays float
 
 
 # -- int4 weight-only ------------------------------------------------------------------------------
 # measured (block 16 / 32 / 128): encoder default .0030/.0033/.0036, hqq .0024/.0029/.0035;
 # decoder default .070/.078/.086, hqq .058/.070/.082 (random weights are hard on 4 bits)
-def _nbits_nodes(path: Path) -> list[onnx.NodeProto]:
-    return [n for n in onnx.load(str(path)).graph.node if n.op_type == "MatMulNBits"]
-
-
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-
 @pytest.mark.parametrize("algorithm", ["default", "hqq"])
 def test_int4(algorithm: str, tiny_encoder: Path, tiny_decoder: Path, tmp_path: Path) -> None:
     errors = {}
     for block in (16, 128):
         out = _run(tiny_decoder, tmp_path, "quark_int4", name=f"dec{block}", algorithm=algorithm,
                    block_size=block, accuracy_level=4)
-        nodes = _nbits_nodes(out)
-        assert len(nodes) == 15 and _ops(out)["MatMul"] == 4  # 7 linears x 2 layers + LM head; attention stays
-        assert all(_attrs(n)["bits"] == 4 and _attrs(n)["block_size"] == block and _attrs(n)["accuracy_level"] == 4
+        nodes = matmul_nbits_nodes(out)
+        assert len(nodes) == 15 and op_counts(out)["MatMul"] == 4  # 7 linears x 2 layers + LM head; attention stays
+        assert all(attrs(n)["bits"] == 4 and attrs(n)["block_size"] == block and attrs(n)["accuracy_level"] == 4
                    for n in nodes)
-        inits = _initializers(out)
+        inits = initializers(out)
         if algorithm == "default":
             assert all(len(n.input) == 3 for n in nodes), "symmetric: no zero points"
         else:
             assert all(len(n.input) == 4 and inits[n.input[3]].dtype == np.float32 for n in nodes)
-        _assert_plain_onnx(out)
-        errors[block] = _rel_error(tiny_decoder, out)
+        assert_plain_onnx(out)
+        errors[block] = output_error(tiny_decoder, out)
     bound = {"default": 0.11, "hqq": 0.1}[algorithm]
     assert 1e-3 < errors[16] < errors[128] < bound, errors
     enc = _run(tiny_encoder, tmp_path, "quark_int4", name="enc", algorithm=algorithm, block_size=32)
-    assert len(_nbits_nodes(enc)) == 8 and _rel_error(tiny_encoder, enc) < 0.006
+    assert len(matmul_nbits_nodes(enc)) == 8 and output_error(tiny_encoder, enc) < 0.006
 
 
 def test_int4_hqq_beats_default_and_asymmetric_default(tiny_decoder: Path, tmp_path: Path) -> None:
-    default = _rel_error(tiny_decoder, _run(tiny_decoder, tmp_path, "quark_int4", name="d", block_size=16))
-    hqq = _rel_error(tiny_decoder, _run(tiny_decoder, tmp_path, "quark_int4", name="h", algorithm="hqq",
-                                        block_size=16))
+    default = output_error(tiny_decoder, _run(tiny_decoder, tmp_path, "quark_int4", name="d", block_size=16))
+    hqq = output_error(tiny_decoder, _run(tiny_decoder, tmp_path, "quark_int4", name="h", algorithm="hqq",
+                                          block_size=16))
     assert hqq < default * 0.95  # measured .058 vs .070
     out = _run(tiny_decoder, tmp_path, "quark_int4", name="asym", block_size=32, symmetric=False)
-    nodes = _nbits_nodes(out)
-    inits = _initializers(out)
+    nodes = matmul_nbits_nodes(out)
+    inits = initializers(out)
     assert all(len(n.input) == 4 and inits[n.input[3]].dtype == np.uint8 for n in nodes)
-    assert _rel_error(tiny_decoder, out) < 0.11  # measured .075
+    assert output_error(tiny_decoder, out) < 0.11  # measured .075
 
 
 def test_int4_external_data_input(tiny_decoder: Path, tiny_decoder_external: Path, tmp_path: Path) -> None:
     inline = _run(tiny_decoder, tmp_path, "quark_int4", name="inline", block_size=32)
     ext = _run(tiny_decoder_external, tmp_path, "quark_int4", name="ext", block_size=32)
     feeds = synthetic.random_inputs(tiny_decoder, batch=1, seq=8, seed=3)
-    np.testing.assert_array_equal(_session(inline).run(None, feeds)[0], _session(ext).run(None, feeds)[0])
+    np.testing.assert_array_equal(session(inline).run(None, feeds)[0], session(ext).run(None, feeds)[0])
 
 
 def test_quark_external_data_output(tiny_decoder: Path, tmp_path: Path, monkeypatch) -> None:
@@ -416,7 +347,7 @@ def test_quark_external_data_output(tiny_decoder: Path, tmp_path: Path, monkeypa
     import bitpress.toolkit.workspace as workspace
 
     feeds = synthetic.random_inputs(tiny_decoder, batch=1, seq=8, seed=3)
-    inline = _session(_run(tiny_decoder, tmp_path, "quark_int4", name="inline")).run(None, feeds)[0]
+    inline = session(_run(tiny_decoder, tmp_path, "quark_int4", name="inline")).run(None, feeds)[0]
     external = []
     load = workspace.Workspace.load
 
@@ -429,7 +360,7 @@ def test_quark_external_data_output(tiny_decoder: Path, tmp_path: Path, monkeypa
     monkeypatch.setattr(workspace.Workspace, "load", spy)
     out = _run(tiny_decoder, tmp_path, "quark_int4", name="ext")
     assert external == [True]
-    np.testing.assert_array_equal(_session(out).run(None, feeds)[0], inline)
+    np.testing.assert_array_equal(session(out).run(None, feeds)[0], inline)
 
 
 def test_pass_without_host_workdir_cleans_up(tiny_decoder: Path, tmp_path: Path, monkeypatch) -> None:
@@ -451,8 +382,8 @@ def test_pass_without_host_workdir_cleans_up(tiny_decoder: Path, tmp_path: Path,
     gc.collect()
     assert list(scratch.iterdir()) == []
     feeds = synthetic.random_inputs(tiny_decoder, batch=1, seq=8, seed=3)
-    np.testing.assert_array_equal(_session(tmp_path / "a.onnx").run(None, feeds)[0],
-                                  _session(tmp_path / "b.onnx").run(None, feeds)[0])
+    np.testing.assert_array_equal(session(tmp_path / "a.onnx").run(None, feeds)[0],
+                                  session(tmp_path / "b.onnx").run(None, feeds)[0])
 
 
 # -- Quark's GPTQ mode: why it is not offered ------------------------------------------------------------
@@ -483,8 +414,8 @@ def test_quark_gptq_mode_ignores_calibration_data(tiny_encoder: Path, tmp_path: 
                 extra_options={"UseMatMulNBits": True, "MatMulNBitsParams": {"Algorithm": "GPTQ", "GroupSize": 32},
                                "GPTQParams": {"GroupSize": 32}, "TmpDir": str(tmp_path / f"tmp{seed}")}))
             quark_onnx.ModelQuantizer(config).quantize_model(str(tiny_encoder), str(out), FeedReader(feeds))
-        assert len(_nbits_nodes(out)) == 8
-        weights.append({k: v for k, v in _initializers(out).items() if k.endswith(("_Q4", "_scales"))})
+        assert len(matmul_nbits_nodes(out)) == 8
+        weights.append({k: v for k, v in initializers(out).items() if k.endswith(("_Q4", "_scales"))})
     assert weights[0] and all(w.keys() == weights[0].keys() for w in weights)
     for other in weights[1:]:
         assert all(np.array_equal(weights[0][k], other[k]) for k in weights[0])
@@ -494,12 +425,8 @@ def test_quark_gptq_mode_ignores_calibration_data(tiny_encoder: Path, tmp_path: 
 @pytest.fixture
 def cli_logging():
     """The CLI points the ``bitpress`` logger at this test's captured stderr: put it back after."""
-    logger = logging.getLogger("bitpress")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    yield
-    logger.handlers[:] = saved[0]
-    logger.setLevel(saved[1])
-    logger.propagate = saved[2]
+    with restored_logger("bitpress"):
+        yield
 
 
 def test_cli_quantize_and_run(run_cli, cli_logging, tiny_decoder: Path, tmp_path: Path) -> None:
@@ -509,7 +436,7 @@ def test_cli_quantize_and_run(run_cli, cli_logging, tiny_decoder: Path, tmp_path
     assert code == 0, err
     assert "quark_int4 on model.onnx: Quark " in stdout and "int4 hqq (block 32)" in stdout
     assert "MatMulNBits x15" in stdout
-    assert len(_nbits_nodes(out)) == 15
+    assert len(matmul_nbits_nodes(out)) == 15
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(textwrap.dedent(f"""\
         input: {tiny_decoder}
@@ -523,7 +450,7 @@ def test_cli_quantize_and_run(run_cli, cli_logging, tiny_decoder: Path, tmp_path
         """))
     code, stdout, err = run_cli("run", recipe)
     assert code == 0, err
-    assert _ops(tmp_path / "run.onnx")["QLinearMatMul"] == 19
+    assert op_counts(tmp_path / "run.onnx")["QLinearMatMul"] == 19
     code, _, err = run_cli("quantize", "-m", tiny_decoder, "-o", tmp_path / "x.onnx", "--algorithm", "quark_static")
     assert code == 2 and "needs calibration data" in err
 
@@ -536,14 +463,8 @@ def _import_quark() -> None:
 
 
 def _process_state() -> dict[str, object]:
-    root = logging.getLogger()
     system_utils = sys.modules.get("quark.onnx.utils.system_utils")
-    return {
-        "root_handlers": list(root.handlers), "root_level": root.level, "root_filters": list(root.filters),
-        "warning_filters": list(warnings.filters), "showwarning": warnings.showwarning,
-        "basicConfig": logging.basicConfig, "environ": dict(os.environ), "sys_path": list(sys.path),
-        "stdout": sys.stdout, "stderr": sys.stderr, "quark_tmp_dir": getattr(system_utils, "TMP_DIR", None),
-    }
+    return {**process_state(), "quark_tmp_dir": getattr(system_utils, "TMP_DIR", None)}
 
 
 def test_runs_leave_process_and_cwd_alone(tiny_decoder: Path, tmp_path: Path, monkeypatch) -> None:
@@ -604,8 +525,7 @@ def test_listing_passes_does_not_import_quark() -> None:
     code = ("import sys; from bitpress.plugins import Registry; r = Registry(); "
             "print(sorted(p for p in r.passes if p.startswith('quark_')), "
             "'quark' in sys.modules, 'torch' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_python(code, timeout=300)
     assert proc.stdout.split()[-2:] == ["False", "False"], proc.stdout
     assert "['quark_dynamic', 'quark_int4', 'quark_static']" in proc.stdout
 
@@ -639,9 +559,7 @@ def test_first_import_is_contained(tmp_path: Path) -> None:
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     log_file = tmp_path / "app.log"
-    proc = subprocess.run([sys.executable, "-c", _FIRST_IMPORT, str(log_file)], cwd=cwd, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_python(_FIRST_IMPORT, str(log_file), cwd=cwd, timeout=900)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["quark_imported"] and result["same"] == [True] * 5, result
     assert result["handler_open"] and result["cwd_files"] == []

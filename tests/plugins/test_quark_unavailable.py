@@ -7,17 +7,15 @@ with the same message before any work. Skipped where Quark is importable (its en
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from bitpress.errors import OptionError
 from bitpress.plugins import Registry
+from bitpress.testing import assert_plugin_loaded, run_python, unavailable_registry
 
 if importlib.util.find_spec("quark") is not None:
     pytest.skip("AMD Quark is installed here; see test_quark.py", allow_module_level=True)
@@ -32,11 +30,7 @@ HINT = (
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Registry:
     """The installed plugins, with no plugin environment (a `quark` one would run the passes)."""
-    if not any(ep.name == "quark" for ep in md.entry_points(group="bitpress")):
-        pytest.fail("bitpress-quark is not installed in this environment: run `make venv` "
-                    "(or pip install -e plugins/quark)")
-    monkeypatch.setenv("BITPRESS_ENVS", str(tmp_path / "no-envs"))
-    return Registry()
+    return unavailable_registry("quark", monkeypatch, tmp_path)
 
 
 def test_passes_listed_unavailable_with_install_commands(run_cli, registry: Registry) -> None:
@@ -54,7 +48,7 @@ def test_passes_listed_unavailable_with_install_commands(run_cli, registry: Regi
     assert len(lines) == 3 and all(line.endswith(HINT) for line in lines), lines
     # the plugin is listed, loaded (not broken) although its toolkit is missing
     code, out, _ = run_cli("plugins", registry=registry)
-    assert any(line.startswith("quark ") and line.rstrip().endswith("ok") for line in out.splitlines()), out
+    assert_plugin_loaded(out, "quark")
 
 
 def test_passes_show_options_without_quark(run_cli, registry: Registry) -> None:
@@ -87,8 +81,7 @@ def test_plugin_import_does_not_import_the_toolkit() -> None:
     # a fresh process: other tests of the session may have imported torch
     code = ("import sys, bitpress_quark; print(sorted(c.name for c in bitpress_quark.passes.PASSES), "
             "'torch' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_python(code, timeout=120)
     assert proc.stdout.split("]")[0] + "]" == str(sorted(QUARK_PASSES)) and proc.stdout.split()[-1] == "False"
 
 
