@@ -20,11 +20,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from test_eval import build_kv_decoder
 
-from bitpress.data import DataConfig, iter_feeds
+from bitpress.calibration.data import DataConfig, iter_feeds
 from bitpress.errors import UnsafePathError
-from bitpress.kvcache import cache_plan, kv_hints
+from bitpress.genai.kvcache import cache_plan, kv_hints
 from bitpress.models.onnx_model import OnnxModel
-from bitpress.models.package import OnnxPackage
+from bitpress.models.onnx_package import OnnxPackage
 from bitpress.onnx.activations import channel_importance
 
 pytest.importorskip("tokenizers")
@@ -327,7 +327,7 @@ def test_bos_when_the_tokenizer_asks(tmp_path: Path, bos: str | None, first: int
 def test_tokenizer_config_is_read_through_a_relative_tokenizer_path(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """``--tokenizer m`` (relative): its tokenizer_config.json is found once, not under ``m/m``."""
-    from bitpress.kvcache import bos_tokens, load_tokenizer
+    from bitpress.calibration.text import bos_tokens, load_tokenizer
 
     folder = tmp_path / "m"
     folder.mkdir()
@@ -341,7 +341,7 @@ def test_a_truncating_tokenizer_still_reads_the_whole_text(tmp_path: Path) -> No
     """Encoders' tokenizer.json truncate to max_length (128): the text is still read whole, then windowed."""
     from tokenizers import Tokenizer
 
-    from bitpress.kvcache import token_windows, tokenize
+    from bitpress.calibration.text import token_windows, tokenize
 
     path = write_tokenizer(tmp_path / "m", bos=None)
     tok = Tokenizer.from_file(str(path))

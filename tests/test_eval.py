@@ -398,7 +398,7 @@ def test_perplexity_identical_and_quantized(dec: dict[str, Any], tmp_path: Path)
     # with --data too, perplexity runs on the text and the comparison on the data
     both = evaluate(dec["int4"], dec["float"], data="random", text=text, tokenizer=tok, seq_len=32, samples=1)
     assert both.samples == 1 and both.perplexity is not None and both.perplexity.windows == 10
-    # a text as --data goes through bitpress.data (windows of seq_len tokens)
+    # a text as --data goes through bitpress.calibration.data (windows of seq_len tokens)
     txt = evaluate(dec["int4"], dec["float"], data=str(text), tokenizer=tok, seq_len=32, samples=3)
     assert txt.samples == 3 and txt.perplexity is None and txt.data.endswith("text.txt")
     assert txt.outputs[0].shape == [1, 32, 256] and not any("random" in n for n in txt.notes)

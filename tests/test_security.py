@@ -193,7 +193,7 @@ def test_genai_folder_link_refused_by_inspect(kind: str, tmp_path: Path, cli, ge
 
 @pytest.mark.parametrize("kind", ["companion-relative", "sub-model", "nested", "linked-folder"])
 def test_escape_error_is_unsafe_path_error(kind: str, tmp_path: Path, genai_folder: Path) -> None:
-    from bitpress.models.package import OnnxPackage
+    from bitpress.models.onnx_package import OnnxPackage
 
     pkg = tmp_path / "pkg"
     shutil.copytree(genai_folder, pkg)
@@ -204,7 +204,7 @@ def test_escape_error_is_unsafe_path_error(kind: str, tmp_path: Path, genai_fold
 
 def test_companion_swapped_for_a_link_after_loading_is_refused(tmp_path: Path, genai_folder: Path) -> None:
     """The check is repeated right before each copy: a file swapped for a link after load is not read."""
-    from bitpress.models.package import OnnxPackage
+    from bitpress.models.onnx_package import OnnxPackage
 
     pkg = tmp_path / "pkg"
     shutil.copytree(genai_folder, pkg)
@@ -433,9 +433,9 @@ def test_eval_folder_names_are_confined(kind: str, tmp_path: Path, cli, genai_fo
 
 
 def test_calibration_tokenizer_beside_model_is_confined(tmp_path: Path, tiny_decoder: Path) -> None:
-    """bitpress.data: a text file's tokenizer found in the model's folder must be inside it."""
+    """bitpress.calibration.data: a text file's tokenizer found in the model's folder must be inside it."""
     pytest.importorskip("tokenizers")
-    from bitpress.data import DataConfig, iter_feeds
+    from bitpress.calibration.data import DataConfig, iter_feeds
 
     model_dir = tmp_path / "m"
     model_dir.mkdir()

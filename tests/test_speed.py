@@ -226,8 +226,8 @@ def test_onnx_model_of_a_folder(models: dict[str, Path]) -> None:
 
 def test_a_package_named_relative_to_the_working_folder(genai_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`bitpress bench pkg --profile` run beside the package: its files are found once, not under pkg/pkg/."""
+    from bitpress.genai.package import read_genai_config, resolve_model
     from bitpress.models.hf_files import read_json
-    from bitpress.models.package import read_genai_config, resolve_model
 
     monkeypatch.chdir(genai_folder.parent)
     rel = Path(genai_folder.name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bitpress.data import DataConfig
+from bitpress.calibration.data import DataConfig
 from bitpress.errors import OutputError
 from bitpress.evaluate import EvalResult  # also makes `bitpress.evaluate(...)` callable after `import bitpress`
 from bitpress.evaluate.runner import evaluate
@@ -61,7 +61,7 @@ def quantize(
     ``external_data`` (``--external-data`` True / ``--single-file`` False), ``max_shard_size``
     (bytes), ``check=False`` (``--no-check``), ``components``, ``save_config``.
     ``algorithm`` and ``precision`` are case-insensitive.
-    ``data``: calibration data for passes that use it (a :class:`bitpress.data.DataConfig`, a
+    ``data``: calibration data for passes that use it (a :class:`bitpress.calibration.data.DataConfig`, a
     source string such as ``"random"`` / ``"calib.npz"`` / ``"text.txt"``, or a mapping).
     ``env_timeout``: seconds after which a pass running in a plugin environment is killed.
     ``save_config``: also write the equivalent workflow config there (YAML, or JSON for a

@@ -16,7 +16,7 @@ from bitpress.hf.model import HfModel, is_hf_folder
 from bitpress.hookspecs import hookimpl
 from bitpress.models.base import ModelHandle
 from bitpress.models.onnx_model import OnnxModel
-from bitpress.models.package import OnnxPackage
+from bitpress.models.onnx_package import OnnxPackage
 from bitpress.passes import Pass, PassContext
 from bitpress.plugin_faults import guard
 
@@ -64,7 +64,7 @@ def bitpress_save_model(model: ModelHandle, destination: Path, options: dict[str
 
     if isinstance(model, HfOnnxExport):
         return model.save(destination, **options)
-    from bitpress.hf.genai_export import GenaiPackage
+    from bitpress.genai.export import GenaiPackage
 
     if isinstance(model, GenaiPackage):
         return model.save(destination)

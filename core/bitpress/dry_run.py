@@ -15,7 +15,7 @@ from typing import Any
 
 from bitpress.errors import ModelLoadError, UsageError
 from bitpress.models.onnx_model import OnnxModel
-from bitpress.models.package import OnnxPackage
+from bitpress.models.onnx_package import OnnxPackage
 from bitpress.plugins import Registry, get_registry
 from bitpress.workflow import Workflow, build_workflow, load_config
 

@@ -9,7 +9,7 @@ from typing import Any
 import onnx
 
 from bitpress.models.onnx_model import OnnxModel
-from bitpress.models.package import OnnxPackage
+from bitpress.models.onnx_package import OnnxPackage
 from bitpress.onnx.lazy_load import INLINE_PREFIX
 from bitpress.onnx.tensors import (
     external_ref,

@@ -24,7 +24,7 @@ from bitpress.errors import ConfigError, OutputError, PassNotFoundError, PluginE
 from bitpress.interrupts import deferred, note_written
 from bitpress.models.base import ModelHandle
 from bitpress.models.onnx_model import OnnxModel
-from bitpress.models.package import OnnxPackage
+from bitpress.models.onnx_package import OnnxPackage
 from bitpress.onnx.save import SaveOptions
 from bitpress.onnx.tensors import is_external, iter_tensors
 from bitpress.passes import Pass, PassContext, sidecars
@@ -52,7 +52,7 @@ class Workflow:
     jobs: int | None = None
     overwrite: bool = False
     save: SaveOptions = field(default_factory=SaveOptions)
-    data: Any = None  # a bitpress.data.DataConfig for passes that use calibration data
+    data: Any = None  # a bitpress.calibration.data.DataConfig for passes that use calibration data
     #: run every pass in a worker process (``--isolate``): a native crash becomes a clean error
     isolate: bool = False
     #: where per-tensor work runs (``executor:``, ``--executor``): a bitpress.executors.ExecutorSpec; None: threads
@@ -324,7 +324,7 @@ def _executor(value: Any) -> Any:
 
 
 def _data(value: Any) -> Any:
-    from bitpress.data import DataConfig
+    from bitpress.calibration.data import DataConfig
 
     if value is None or isinstance(value, DataConfig):
         return value

@@ -239,7 +239,7 @@ def test_manifest_and_verify_catch_a_deleted_shard_and_a_truncated_file(tiny: di
     import shutil
 
     from bitpress.cli import main
-    from bitpress.manifest import MANIFEST, verify
+    from bitpress.genai.manifest import MANIFEST, verify
 
     pkg = _run([{"type": "rtn_hf", "bits": 4, "group_size": 32}, {"type": "hf_to_genai"}], tiny["untied"],
                tmp_path / "pkg")
@@ -270,7 +270,7 @@ def test_manifest_and_verify_catch_a_deleted_shard_and_a_truncated_file(tiny: di
 
 def test_verify_refuses_names_leaving_the_folder(tmp_path: Path) -> None:
     from bitpress.errors import UnsafePathError
-    from bitpress.manifest import MANIFEST, verify, write_manifest
+    from bitpress.genai.manifest import MANIFEST, verify, write_manifest
 
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "a.txt").write_text("a")
@@ -296,8 +296,8 @@ def test_publish_matrix_builds_every_cell_and_reports_failures(tiny: dict[str, P
     import yaml
 
     from bitpress.cli import main
-    from bitpress.manifest import MANIFEST, verify
-    from bitpress.publish import INDEX
+    from bitpress.genai.manifest import MANIFEST, verify
+    from bitpress.genai.publish import INDEX
 
     cfg = {
         "input": str(tiny["tied"]), "output": "published",

@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from bitpress import synthetic
-from bitpress.data import DataConfig, iter_feeds
+from bitpress.calibration.data import DataConfig, iter_feeds
 from bitpress.errors import UsageError
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx import layout

@@ -148,7 +148,7 @@ def test_gemma3_package_tokenizes_words_and_generates_the_float_tokens(gemma3_co
     generates greedily what its float graph does."""
     from tokenizers import Tokenizer
 
-    from bitpress.hf.genai_export import greedy
+    from bitpress.genai.export import greedy
 
     pkg, float_model = gemma3_converted
     tok = Tokenizer.from_file(str(pkg / "tokenizer.json"))

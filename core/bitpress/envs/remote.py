@@ -535,7 +535,7 @@ def _job_data(data: Any, origin: Path) -> dict[str, Any] | None:
     """The calibration settings with paths made absolute: the worker runs in another folder."""
     if data is None:
         return None
-    from bitpress.data import DataConfig
+    from bitpress.calibration.data import DataConfig
 
     config = dataclasses.asdict(DataConfig.from_value(data))
     source = config.get("source")

@@ -86,7 +86,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             "rebuild the environment: bitpress env create NAME --force"
         )
     os.environ[NO_ENVS_VAR] = "1"  # this host runs every pass itself
-    from bitpress.data import DataConfig
+    from bitpress.calibration.data import DataConfig
     from bitpress.errors import UsageError
     from bitpress.models.onnx_model import OnnxModel
     from bitpress.passes import PassContext, sidecars

@@ -4,7 +4,8 @@ Models with a KV cache (ONNX Runtime GenAI builder, Optimum, mobius exports) tak
 ``past_key_values.{i}.key`` / ``.value`` (or similar ``past*`` inputs). The evaluation runs the
 whole window in one call from an empty cache, or from zeros of a fixed capacity where the model
 needs one (a sliding-window or static cache, masked out). The cache logic, the token windows and
-BOS are :mod:`bitpress.kvcache`'s, shared with calibration data (:mod:`bitpress.data`).
+BOS are :mod:`bitpress.genai.kvcache`'s and :mod:`bitpress.calibration.text`'s, shared with calibration data
+(:mod:`bitpress.calibration.data`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ from typing import Any
 import numpy as np
 import onnx
 
-from bitpress import kvcache
-from bitpress.data import DataConfig, input_specs, iter_feeds
+from bitpress.calibration import data as calibration_data
+from bitpress.calibration import text as calibration_text
+from bitpress.calibration.data import DataConfig, iter_feeds
+from bitpress.calibration.text import TextTokens
 from bitpress.errors import UsageError
 from bitpress.evaluate.result import EvalError, ModelMismatchError
-from bitpress.kvcache import KVCacheError, TextTokens, is_past
-from bitpress.models.package import ModelFile, resolve_model  # noqa: F401 (their home now: bench resolves too)
+from bitpress.genai import kvcache
+from bitpress.genai.kvcache import KVCacheError, is_past
+from bitpress.genai.package import ModelFile, resolve_model  # noqa: F401 (their home now: bench resolves too)
+from bitpress.onnx.inputs import input_specs
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +77,16 @@ def vocab_size(model: onnx.ModelProto) -> int | None:
 
 # -- feeds ------------------------------------------------------------------------------------------
 class _DropRandomWarning(logging.Filter):
-    """bitpress.data warns about *calibrating* on random data; the evaluation notes it itself."""
+    """bitpress.calibration.data warns about *calibrating* on random data; the evaluation notes it itself."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("calibrating on random inputs")
 
 
 def signature_stub(model: onnx.ModelProto, drop: set[str]) -> onnx.ModelProto:
-    """A weightless copy of ``model``'s signature without the ``drop`` inputs, for bitpress.data.
+    """A weightless copy of ``model``'s signature without the ``drop`` inputs, for bitpress.calibration.data.
 
-    bitpress.data fills every graph input and reads the vocabulary off the embedding table's
+    bitpress.calibration.data fills every graph input and reads the vocabulary off the embedding table's
     dims; the cache inputs are ours to fill, and copying the weights would cost memory.
     """
     stub = onnx.ModelProto()
@@ -113,12 +118,12 @@ def cache_note(model: onnx.ModelProto, hints: dict[str, Any]) -> str | None:
 def data_feeds(
     model: onnx.ModelProto, config: DataConfig, model_dir: Path, hints: dict[str, Any]
 ) -> list[dict[str, np.ndarray]]:
-    """``config.samples`` feeds from bitpress.data (random, .npz, text), with the cache filled."""
+    """``config.samples`` feeds from bitpress.calibration.data (random, .npz, text), with the cache filled."""
     plan = cache_plan(model, hints)
-    # bitpress.data fills what the stub takes; the cache is filled here, as this evaluation sees it
+    # bitpress.calibration.data fills what the stub takes; the cache is filled here, as this evaluation sees it
     # (both models' genai_config.json), not as model_dir's alone would
     stub = signature_stub(model, {p.name for p in plan.past})
-    logger = logging.getLogger("bitpress.data")
+    logger = logging.getLogger(calibration_data.__name__)
     quiet = _DropRandomWarning()
     logger.addFilter(quiet)
     try:
@@ -133,18 +138,18 @@ def data_feeds(
 # -- text -------------------------------------------------------------------------------------------
 def find_tokenizer(tokenizer: str | Path | None, folders: list[Path]) -> Path:
     """``tokenizer`` (a tokenizer.json or its folder), else tokenizer.json in the models' folders."""
-    return kvcache.find_tokenizer(tokenizer, [(f, f) for f in dict.fromkeys(folders)], "--tokenizer")
+    return calibration_text.find_tokenizer(tokenizer, [(f, f) for f in dict.fromkeys(folders)], "--tokenizer")
 
 
 def tokenize(text: Path, tokenizer: Path) -> TextTokens:
     """The text's tokens (no special tokens) and the BOS each window starts with, if any."""
-    return kvcache.tokenize(text, tokenizer)
+    return calibration_text.tokenize(text, tokenizer)
 
 
 def token_windows(tokens: TextTokens, seq_len: int, max_windows: int | None) -> np.ndarray:
     """Non-overlapping ``[n, seq_len]`` windows (BOS first when the tokenizer asks); a text shorter
     than one window is one window."""
-    return kvcache.token_windows(tokens, seq_len, max_windows, shorter="one")
+    return calibration_text.token_windows(tokens, seq_len, max_windows, shorter="one")
 
 
 def ids_input(model: onnx.ModelProto) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from bitpress.data import DataConfig, input_specs
+from bitpress.calibration.data import DataConfig
 from bitpress.errors import BitpressError, ModelLoadError, UsageError
 from bitpress.evaluate.feeds import (
     check_same_signature,
@@ -30,8 +30,9 @@ from bitpress.evaluate.feeds import (
 from bitpress.evaluate.metrics import OutputAccumulator, looks_like_logits, next_token_nll
 from bitpress.evaluate.result import EvalError, EvalResult, ModelMismatchError, PerplexityResult
 from bitpress.evaluate.weights import tensor_errors
-from bitpress.kvcache import kv_hints
+from bitpress.genai.kvcache import kv_hints
 from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx.inputs import input_specs
 from bitpress.onnx.kernels import graph_paths
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def evaluate(
     """Compare ``quantized`` with its float ``reference`` (.onnx files or GenAI folders) in ONNX Runtime.
 
     ``data``: the inputs of the output comparison (``None``: random; a .npz file/folder; a .txt
-    with a tokenizer; a :class:`bitpress.data.DataConfig` or mapping), ``samples`` runs of
+    with a tokenizer; a :class:`bitpress.calibration.data.DataConfig` or mapping), ``samples`` runs of
     ``batch`` x ``seq_len``. ``text``: a text file for the perplexity of both models (windows of
     ``seq_len`` tokens, at most ``max_windows``; tokenizer.json beside a model or ``tokenizer``);
     without ``data`` the outputs are compared on those windows too. ``weights``: also the SQNR of

@@ -3,6 +3,9 @@
 Importing this package does not import torch; the submodules that need it do
 (:mod:`~bitpress.hf.qtensor`, :mod:`~bitpress.hf.quantize`, :mod:`~bitpress.hf.checkpoint`, and
 :mod:`~bitpress.hf.export` inside its functions). See docs/huggingface.md.
+
+May import: calibration, errors, executors, genai, interrupts, models, onnx, options, passes, paths,
+quant, selection.
 """
 
 from __future__ import annotations

@@ -1,8 +1,16 @@
-"""What the GenAI exporters need installed: the ``genai`` extra, for the builder and mobius routes alike."""
+"""Moved: what the GenAI exporters need installed is :data:`bitpress.genai.GENAI_INSTALL_HINT` (the ``genai``
+package owns everything about GenAI packages).
+
+This path keeps working for one release and warns when imported.
+"""
 
 from __future__ import annotations
 
-#: how to install what either exporter needs (torch pinned first: an unpinned one can pull a CUDA build)
-GENAI_INSTALL_HINT = 'pip install "torch==2.13.0" "bitpress[genai]"'
+import warnings
+
+from bitpress.genai import GENAI_INSTALL_HINT
+
+warnings.warn("bitpress.hf.genai_extra moved to bitpress.genai; import GENAI_INSTALL_HINT from there",
+              DeprecationWarning, stacklevel=2)
 
 __all__ = ["GENAI_INSTALL_HINT"]

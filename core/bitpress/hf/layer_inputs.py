@@ -1,6 +1,6 @@
 """Calibration inputs of a PyTorch (Hugging Face) model, layer by layer, for calibrated solvers.
 
-* :func:`calibration_batches`: the host's ``--data`` (:class:`~bitpress.data.DataConfig`) as
+* :func:`calibration_batches`: the host's ``--data`` (:class:`~bitpress.calibration.data.DataConfig`) as
   ``input_ids`` / ``attention_mask`` batches: text windows cut with the model folder's
   tokenizer (or ``data.tokenizer``), ``.npz`` files holding ``input_ids``, or ``random``.
 * :func:`find_layers`: the decoder stack, the ``nn.ModuleList`` of same-class blocks that holds
@@ -30,9 +30,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from bitpress.data import DataConfig, InputSpec, _npz
+from bitpress.calibration.data import DataConfig, _npz
 from bitpress.errors import QuantizationError, UsageError
 from bitpress.onnx.calibrated.stats import StatsAccumulator
+from bitpress.onnx.inputs import InputSpec
 from bitpress.quant.calibrated import LayerStats
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ def _npz_batches(path: Path, cfg: DataConfig) -> list[Batch]:
 
 
 def _text_batches(path: Path, cfg: DataConfig, model_dir: Path | None) -> list[Batch]:
-    from bitpress.kvcache import find_tokenizer, token_windows, tokenize
+    from bitpress.calibration.text import find_tokenizer, token_windows, tokenize
 
     if model_dir is None and not cfg.tokenizer:
         raise UsageError("text calibration data needs a tokenizer: pass --tokenizer / data.tokenizer "

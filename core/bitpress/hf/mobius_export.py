@@ -1,98 +1,23 @@
-"""mobius (``mobius build``, the ``genai`` extra) as the exporter of a GenAI package.
+"""Moved: the GenAI export by mobius is :mod:`bitpress.genai.mobius` (the ``genai`` package owns everything about
+GenAI packages).
 
-mobius builds the ONNX graph from the architecture's definition (not by tracing) and, with
-``--runtime ort-genai``, writes ``genai_config.json`` and copies the tokenizer files. bitpress
-hands it the same staged folder as the builder (:mod:`bitpress.hf.genai_export`): a float
-checkpoint, or an olive checkpoint written with mobius's conventions
-(:func:`bitpress.hf.olive.write_olive` with ``exporter="mobius"``), so a quantized tied table is
-gathered by ``GatherBlockQuantized`` and read by the LM head's ``MatMulNBits`` from the same
-initializers.
-
-What mobius 0.1.0 gets wrong, measured here and handled:
-
-* ``genai_config.json`` says ``context_length`` / ``max_length`` 4096 whatever the model's
-  ``max_position_embeddings`` (its rotary tables hold that many positions): both are set to the
-  model's;
-* ``bf16`` packages for ``cpu`` / ``default`` do not load in ONNX Runtime (no bf16 ``MatMul`` on
-  its CPU EP): refused before the build;
-* ``MatMulNBits`` get ``accuracy_level`` 4 on every EP; an explicit ``accuracy_level`` is set on
-  them after the build.
+This path keeps working for one release and warns when imported.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import logging
-import sys
-from pathlib import Path
+import warnings
 
-from bitpress.errors import ExportError
-from bitpress.hf.genai_extra import GENAI_INSTALL_HINT
+from bitpress.genai.mobius import (
+    CPU_RUNNABLE,
+    MOBIUS_EPS,
+    finish_mobius,
+    mobius_argv,
+    mobius_missing,
+    set_accuracy_level,
+)
 
-log = logging.getLogger(__name__)
+warnings.warn("bitpress.hf.mobius_export moved to bitpress.genai.mobius; import mobius_argv from there",
+              DeprecationWarning, stacklevel=2)
 
-#: mobius's ``--ep`` choices a GenAI package is built for ("default": portable ONNX, no vendor fusions)
-MOBIUS_EPS = ("default", "cpu", "cuda", "dml", "webgpu", "trt-rtx", "qnn", "openvino")
-#: the EPs whose packages this machine can load and run (ONNX Runtime's CPU EP)
-CPU_RUNNABLE = ("default", "cpu")
-
-
-def mobius_missing() -> str | None:
-    """Why mobius cannot run here (None when it can)."""
-    needed = ("mobius", "onnxruntime_genai", "transformers", "torch")
-    missing = [m for m in needed if importlib.util.find_spec(m) is None]
-    if missing:
-        return f"mobius needs {', '.join(missing)}: {GENAI_INSTALL_HINT}"
-    return None
-
-
-def mobius_argv(staged: Path, out: Path, *, dtype: str, ep: str) -> list[str]:
-    """The ``mobius build`` command line for a staged checkpoint folder."""
-    if ep not in MOBIUS_EPS:
-        raise ExportError(f"unknown execution provider {ep!r} for mobius; known: {', '.join(MOBIUS_EPS)}")
-    if dtype == "bf16" and ep in CPU_RUNNABLE:
-        raise ExportError(f"mobius bf16 packages for {ep} do not load in ONNX Runtime (its CPU EP has no bf16 "
-                          "MatMul): use --dtype f16 or f32, or build bf16 for cuda")
-    return [sys.executable, "-m", "mobius", "build", "--config", str(staged), str(out), "--dtype", dtype,
-            "--ep", ep, "--runtime", "ort-genai"]
-
-
-def finish_mobius(out: Path, config: dict, accuracy_level: int | None) -> None:
-    """Correct what mobius writes (see the module's docstring) in the package ``out``."""
-    path = out / "genai_config.json"
-    positions = config.get("max_position_embeddings")
-    if path.is_file() and isinstance(positions, int) and positions > 0:
-        cfg = json.loads(path.read_text())
-        model, search = cfg.get("model", {}), cfg.get("search", {})
-        if model.get("context_length", 0) > positions or search.get("max_length", 0) > positions:
-            log.info("genai_config.json: context_length %s -> %d (the model's max_position_embeddings)",
-                     model.get("context_length"), positions)
-            model["context_length"] = positions
-            search["max_length"] = min(search.get("max_length", positions), positions)
-            path.write_text(json.dumps(cfg, indent=4) + "\n")
-    if accuracy_level is not None:
-        n = set_accuracy_level(out, accuracy_level)
-        log.info("MatMulNBits accuracy_level %d on %d nodes", accuracy_level, n)
-
-
-def set_accuracy_level(folder: Path, level: int) -> int:
-    """Set ``accuracy_level`` on every ``MatMulNBits`` of the package's graphs; returns how many."""
-    import onnx
-    from onnx import helper
-
-    count = 0
-    for path in sorted(folder.rglob("*.onnx")):
-        proto = onnx.load(str(path), load_external_data=False)
-        changed = False
-        for n in proto.graph.node:
-            if n.op_type != "MatMulNBits":
-                continue
-            kept = [a for a in n.attribute if a.name != "accuracy_level"]
-            del n.attribute[:]
-            n.attribute.extend([*kept, helper.make_attribute("accuracy_level", int(level))])
-            changed = True
-            count += 1
-        if changed:
-            onnx.save(proto, str(path))  # external data untouched: the tensors still point at their file
-    return count
+__all__ = ["CPU_RUNNABLE", "MOBIUS_EPS", "finish_mobius", "mobius_argv", "mobius_missing", "set_accuracy_level"]

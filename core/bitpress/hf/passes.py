@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 from bitpress.errors import QuantizationError
+from bitpress.genai import GENAI_INSTALL_HINT
 from bitpress.hf.model import HfModel
 from bitpress.hf.rules import HfQuantOptions
 from bitpress.onnx.kernels import TargetOptions
@@ -167,8 +168,8 @@ class HfToGenaiOptions:
     allow_pickle: bool = option(False, "allow loading .bin/.pt pickled weights (trusted sources only)")
 
     def validate(self) -> None:
-        from bitpress.hf.genai_export import EPS, EXPORTERS, FLOAT_PRECISION
-        from bitpress.hf.mobius_export import MOBIUS_EPS
+        from bitpress.genai.export import EPS, EXPORTERS, FLOAT_PRECISION
+        from bitpress.genai.mobius import MOBIUS_EPS
 
         if self.exporter not in EXPORTERS:
             raise ValueError(f"exporter must be one of {', '.join(EXPORTERS)}, got {self.exporter!r}")
@@ -200,13 +201,13 @@ class HfToGenaiPass(Pass):
     summary = "export a Hugging Face model (float or bitpress-quantized) to an ONNX Runtime GenAI package"
     Options: ClassVar[type] = HfToGenaiOptions
     requires: ClassVar[tuple[str, ...]] = (*HF_REQUIRES, "onnxruntime_genai")
-    install_hint: ClassVar[str | None] = 'pip install "torch==2.13.0" "bitpress[genai]"'
+    install_hint: ClassVar[str | None] = GENAI_INSTALL_HINT
 
     def run(self, model: Any, context: PassContext) -> Any:
         import tempfile
         from pathlib import Path
 
-        from bitpress.hf.genai_export import build_genai
+        from bitpress.genai.export import build_genai
 
         if not isinstance(model, HfModel):
             raise QuantizationError(f"{self.name} exports Hugging Face models, got {model.kind}")

@@ -7,6 +7,8 @@ models alternately in one run so that machine noise falls on all of them: the ra
 result, the absolute figures come labelled with the CPU's flags and load
 (:mod:`bitpress.speed.runner`). ``profile`` adds where the time goes: the slowest nodes by ONNX
 Runtime's profiler, each with the kernel :mod:`bitpress.onnx.kernels` says it runs on.
+
+May import: cpu, errors, genai, onnx.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every dynamic dimension but the first (the batch, 1) is the sequence: 1 for ``single``,
 ``prompt_tokens`` for ``prompt``. Integer inputs get token ids in the vocabulary (the first
 ``Gather`` table's rows), ones for masks and counted positions; float inputs standard normal
-values. A KV-cache decoder (``past_key_values.*`` inputs, :mod:`bitpress.kvcache`) decodes its
+values. A KV-cache decoder (``past_key_values.*`` inputs, :mod:`bitpress.genai.kvcache`) decodes its
 single token after a cache of ``prompt_tokens`` positions (zeros), the way generation runs;
 its prompt runs from an empty cache.
 """
@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from bitpress.kvcache import cache_plan, is_past, kv_hints, read_genai_config
+from bitpress.genai.kvcache import cache_plan, is_past, kv_hints
+from bitpress.genai.package import find_genai_config
 from bitpress.onnx.inputs import InputSpec, input_specs, vocab_size
 
 
@@ -44,7 +45,7 @@ def speed_feeds(model: onnx.ModelProto, model_dir: Path | None, prompt_tokens: i
     vocab = vocab_size(model)
     plain = [s for s in specs if not is_past(s)]
     past = [s for s in specs if is_past(s)]
-    plan = cache_plan(model, kv_hints(read_genai_config(model_dir) if model_dir else None), specs=specs) \
+    plan = cache_plan(model, kv_hints(find_genai_config(model_dir) if model_dir else None), specs=specs) \
         if past else None
     # a cache of fixed capacity (sliding window, static GQA buffer) is fed as evaluation feeds it
     dynamic = plan is not None and all(not p.capacity for p in plan.past)

@@ -91,7 +91,7 @@ class Subject:
 
 def resolve_onnx(path: Path) -> Path:
     """A .onnx file as given, a GenAI package's decoder, or a folder's only .onnx file."""
-    from bitpress.models.package import resolve_model
+    from bitpress.genai.package import resolve_model
 
     return resolve_model(path, "benchmarked").path
 

@@ -549,8 +549,8 @@ def _job(cls: type, model: Path, entry: dict[str, Any], fixed: dict[str, Any], p
 def _publish_jobs(raw: Any, models: list[Path], kinds: dict[Path, str], ev: EvalSpec | None,
                   registry: Registry) -> list[Job]:
     """``publish: {matrix, reference}``: every cell of the matrix (planned and checked by
-    :mod:`bitpress.publish`) for every Hugging Face model, one job each."""
-    from bitpress.publish import _RUNNABLE, _check_genai, plan_cells
+    :mod:`bitpress.genai.publish`) for every Hugging Face model, one job each."""
+    from bitpress.genai.publish import _RUNNABLE, _check_genai, plan_cells
     from bitpress.workflow import _kind
 
     if not isinstance(raw, dict):

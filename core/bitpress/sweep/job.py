@@ -109,11 +109,11 @@ _FLOAT_BITS = {"f32": 32, "fp32": 32, "float32": 32, "f16": 16, "fp16": 16, "flo
 
 
 def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
-    """One cell of the export matrix: built by :func:`bitpress.publish.publish` (a one-cell matrix)
+    """One cell of the export matrix: built by :func:`bitpress.genai.publish.publish` (a one-cell matrix)
     into a temporary folder, moved whole to the job's output; a cpu / default package is then
     evaluated against the reference cell's package (perplexity on the sweep's text), as publish's
     ``matrix.eval`` does. Never raises, except for an interruption (as :func:`run_job`)."""
-    from bitpress.publish import publish
+    from bitpress.genai.publish import publish
 
     row = base_row(spec)
     start = time.perf_counter()
@@ -151,7 +151,7 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
 
 def evaluate_cell(package: Path, reference: Path, cell: dict[str, Any], ev: dict[str, Any]) -> dict[str, Any]:
     """A package against its reference cell's package, measured as publish's ``matrix.eval`` measures
-    (:func:`bitpress.publish.evaluate_cells`): perplexity on the text's windows, no weight SQNR."""
+    (:func:`bitpress.genai.publish.evaluate_cells`): perplexity on the text's windows, no weight SQNR."""
     from bitpress.evaluate.runner import evaluate
 
     if not (reference / "genai_config.json").is_file():

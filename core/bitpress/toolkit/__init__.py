@@ -11,4 +11,6 @@ the process that calls it. The pieces every such plugin needs live here, once:
   environment and global-state side effects confined to the call.
 
 Nothing here imports a toolkit.
+
+May import: calibration, errors, models, onnx, passes.
 """

@@ -7,9 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from bitpress.data import DataConfig, input_specs, iter_feeds
+from bitpress.calibration.data import DataConfig, iter_feeds
 from bitpress.errors import UsageError
 from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx.inputs import input_specs
 
 Feed = dict[str, np.ndarray]
 

@@ -10,6 +10,9 @@ solve in slabs of rows (:mod:`~bitpress.onnx.calibrated.solve`), the dequantized
 stages compute with kept in files (:mod:`~bitpress.onnx.calibrated.substitutes`), the exact input scaling
 (:mod:`~bitpress.onnx.calibrated.scaling`), and the ``MatMulNBits`` / ``GatherBlockQuantized``
 nodes written from the solver's integers as they are. See docs/writing-a-plugin.md.
+
+May import: calibration, errors, memory, models, options, passes, plugins, quant (and the rest of
+onnx).
 """
 
 from __future__ import annotations

@@ -333,7 +333,7 @@ def _write_dequantized(model: OnnxModel, group: Group, res: Any, substitutes: Su
 
 
 def _feeds(model: OnnxModel, context: PassContext) -> Any:
-    from bitpress.data import DataConfig, iter_feeds
+    from bitpress.calibration.data import DataConfig, iter_feeds
 
     return iter_feeds(model.proto, DataConfig.from_value(context.data), model.source.parent,
                       root=getattr(model, "package_root", None))

@@ -20,6 +20,9 @@ the plan), :mod:`~bitpress.onnx.weightonly.reading` (chunked reads), :mod:`~bitp
 (solvers, kernels, error), :mod:`~bitpress.onnx.weightonly.writing` (the new nodes) and
 :mod:`~bitpress.onnx.weightonly.passes` (:class:`WeightOnlyPass`, :func:`quantize_weights`,
 :class:`Report`). Everything public is importable from this package.
+
+May import: calibration, errors, executors, interrupts, memory, models, options, passes, quant,
+selection (and the rest of onnx).
 """
 
 from __future__ import annotations

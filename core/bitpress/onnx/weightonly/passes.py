@@ -185,7 +185,7 @@ class WeightOnlyPass(Pass):
         return report
 
     def _importance(self, model: OnnxModel, context: PassContext, p: Plan | None = None) -> dict[str, np.ndarray]:
-        from bitpress.data import DataConfig, iter_feeds
+        from bitpress.calibration.data import DataConfig, iter_feeds
         from bitpress.onnx.activations import channel_importance
 
         p = p if p is not None else self.weight_plan(model)

@@ -1,0 +1,176 @@
+"""Calibration data, one option for every pass that needs data.
+
+Sources:
+
+* ``random``: inputs drawn from the model's signature (ids within the vocabulary read off
+  the embedding table, masks of ones, floats from a normal). For smoke tests only: a warning
+  says so.
+* ``.npz`` files (one file, or a folder of them): each file holds arrays named like the
+  model's inputs; a leading axis larger than the model's batch is split into samples.
+* a text file (``.txt``) with a tokenizer (``tokenizer.json`` in the model's folder or the
+  package's root, or ``tokenizer``): windows of ``seq_len`` tokens give ``input_ids`` (and
+  ``attention_mask``, ``position_ids`` when the model takes them), each starting with BOS when
+  the tokenizer asks for it. Needs the ``tokenizers`` package.
+
+KV-cache exports (ONNX Runtime GenAI builder, Optimum, mobius) work with every source: the
+``past_*`` inputs a source does not give are an empty cache, or zeros of a fixed capacity where
+the model needs one (a sliding-window or static cache), as ``bitpress eval`` feeds them
+(:mod:`bitpress.genai.kvcache`; head counts and window sizes from ``genai_config.json``). Text
+becomes windows of tokens in :mod:`bitpress.calibration.text`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from bitpress.calibration.text import find_tokenizer, token_windows, tokenize
+from bitpress.errors import ConfigError, UsageError
+from bitpress.genai.kvcache import CachePlan, cache_plan, is_past, kv_hints, window_feeds
+from bitpress.genai.package import find_genai_config
+from bitpress.onnx.inputs import InputSpec, input_specs, vocab_size
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DataConfig:
+    """Where calibration inputs come from; ``source`` is ``random``, a .npz file/folder or a .txt."""
+
+    source: str = "random"
+    samples: int = 8
+    seq_len: int = 128
+    batch: int = 1
+    tokenizer: str | None = None
+    seed: int = 0
+
+    @classmethod
+    def from_value(cls, value: Any) -> DataConfig:
+        if isinstance(value, DataConfig):
+            return value
+        if isinstance(value, str):
+            return cls(source=value)
+        if isinstance(value, dict):
+            try:
+                return cls(**value)
+            except TypeError as exc:
+                raise ConfigError(
+                    f"data: {exc}; valid keys: source, samples, seq_len, batch, tokenizer, seed"
+                ) from None
+        raise ConfigError(f"data must be a source string or a mapping, got {value!r}")
+
+
+def iter_feeds(
+    model: onnx.ModelProto, config: DataConfig, model_dir: Path | None = None, *, root: Path | None = None
+) -> Iterator[dict[str, np.ndarray]]:
+    """Yield ``config.samples`` feeds for ONNX Runtime.
+
+    ``model_dir``: the model's folder (its tokenizer.json and genai_config.json); ``root``: the
+    package folder holding it (an ONNX Runtime GenAI folder whose model is in a sub-folder), where
+    those files are looked for next. Nothing above ``root`` (or ``model_dir``) is read.
+    """
+    src = config.source
+    specs = input_specs(model)
+    plan = CachePlan()
+    if any(is_past(s) for s in specs):
+        genai = find_genai_config(model_dir, root) if model_dir is not None else None
+        plan = cache_plan(model, kv_hints(genai), specs=specs)
+    plain = [s for s in specs if not is_past(s)]
+    if src == "random":
+        log.warning("calibrating on random inputs: fine for smoke tests, not for real quality")
+        for feed in _random(plain, config, vocab_size(model)):
+            yield plan.fill(feed)
+        return
+    path = Path(src)
+    if not path.exists():
+        raise UsageError(f"calibration data {src!r} not found (use 'random', a .npz file/folder or a .txt file)")
+    if path.is_dir() or path.suffix == ".npz":
+        for feed in _npz(path, specs, config, {p.name for p in plan.past}):
+            yield plan.fill(feed)
+        return
+    if path.suffix in (".txt", ".cor", ".md", ".text"):
+        yield from _text(path, specs, config, model_dir, root, plan)
+        return
+    raise UsageError(f"calibration data {src!r}: expected 'random', a .npz file or folder, or a .txt file")
+
+
+def _concrete(shape: tuple, batch: int, seq: int) -> tuple[int, ...]:
+    out = []
+    for i, d in enumerate(shape):
+        if isinstance(d, int) and d > 0:
+            out.append(d)
+        else:
+            out.append(batch if i == 0 else seq)
+    return tuple(out)
+
+
+def _random(specs: list[InputSpec], config: DataConfig, vocab: int) -> Iterator[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(config.seed)
+    for _ in range(config.samples):
+        feed = {}
+        for s in specs:
+            shape = _concrete(s.shape, config.batch, config.seq_len)
+            lname = s.name.lower()
+            if np.issubdtype(s.dtype, np.integer):
+                if "mask" in lname:
+                    feed[s.name] = np.ones(shape, s.dtype)
+                elif "position" in lname:
+                    feed[s.name] = np.broadcast_to(np.arange(shape[-1], dtype=s.dtype), shape).copy()
+                else:
+                    feed[s.name] = rng.integers(0, vocab, size=shape).astype(s.dtype)
+            elif s.dtype == np.bool_:
+                feed[s.name] = np.ones(shape, np.bool_)
+            else:
+                feed[s.name] = rng.standard_normal(shape).astype(s.dtype)
+        yield feed
+
+
+def _npz(
+    path: Path, specs: list[InputSpec], config: DataConfig, optional: frozenset[str] | set[str] = frozenset()
+) -> Iterator[dict[str, np.ndarray]]:
+    """Samples of the files; ``optional`` inputs (the cache) may be absent: the caller fills them."""
+    files = sorted(path.glob("*.npz")) if path.is_dir() else [path]
+    if not files:
+        raise UsageError(f"no .npz files in {path}")
+    names = {s.name for s in specs}
+    required = names - set(optional)
+    produced = 0
+    for f in files:
+        with np.load(f, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        missing = required - set(arrays)
+        if missing:
+            raise UsageError(f"{f.name} lacks inputs {sorted(missing)}; it has {sorted(arrays)}")
+        n = len(next(iter(arrays.values())))
+        step = max(1, config.batch)
+        for i in range(0, n, step):
+            yield {k: arrays[k][i : i + step] for k in names if k in arrays}
+            produced += 1
+            if produced >= config.samples:
+                return
+
+
+def _text(
+    path: Path, specs: list[InputSpec], config: DataConfig, model_dir: Path | None, root: Path | None,
+    plan: Any,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Windows of ``seq_len`` tokens (BOS first when the tokenizer asks), the cache as ``plan`` fills it."""
+    if model_dir is None and not config.tokenizer:
+        raise UsageError("text calibration data needs a tokenizer: pass --tokenizer / data.tokenizer "
+                         "(a tokenizer.json or its folder)")
+    tok_path = find_tokenizer(config.tokenizer, [(Path(model_dir), root)] if model_dir is not None else [],
+                              "--tokenizer / data.tokenizer")
+    tokens = tokenize(path, tok_path)
+    windows = token_windows(tokens, config.seq_len, config.samples * config.batch, shorter="error")
+    for _, feed in window_feeds(specs, plan, windows, config.batch, "text calibration"):
+        yield feed
+
+
+# InputSpec, input_specs and vocab_size (bitpress.onnx.inputs) are offered here too: what the feeds are built from
+__all__ = ["DataConfig", "InputSpec", "input_specs", "iter_feeds", "vocab_size"]
