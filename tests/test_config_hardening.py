@@ -285,7 +285,7 @@ def test_hf_pass_options_in_a_config_must_have_their_types(options: dict[str, An
 
 def test_strings_are_parsed_only_from_the_command_line(tiny_decoder: Path, tmp_path: Path, run_cli,
                                                        make_registry) -> None:
-    from bitpress.dry_run import plan_quantize
+    from bitpress.workflow.plan import plan_quantize
 
     reg = make_registry()
     code, _, err = run_cli("quantize", "-m", tiny_decoder, "-o", tmp_path / "q.onnx", "--algorithm", "rtn",
@@ -392,7 +392,7 @@ def test_values_of_the_wrong_type_are_one_line(text: str, key: str, run_config, 
 
 
 def test_olive_mapping_of_passes_is_still_accepted(make_registry, tiny_decoder: Path, tmp_path: Path) -> None:
-    from bitpress.workflow import build_workflow
+    from bitpress.workflow.config import build_workflow
 
     wf = build_workflow({"input_model": {"type": "ONNXModel", "model_path": str(tiny_decoder)},
                          "output_dir": str(tmp_path / "out"),

@@ -143,7 +143,7 @@ def test_proxies_from_a_manifest(run_cli, monkeypatch: pytest.MonkeyPatch, tmp_p
     # its aliases come with it, in configs pinned to the environment too
     assert reg.find_pass("FakeQuantization") is cls and cls.aliases == ("FakeQuantization",)
     from bitpress.envs.remote import pinned_pass
-    from bitpress.workflow import _resolve_pass
+    from bitpress.workflow.config import _resolve_pass
 
     assert pinned_pass(reg, "fake", "fakequantization", None, _resolve_pass).name == "fakeq"
 

@@ -40,6 +40,9 @@ MOVED = [
      ("CPU_RUNNABLE", "MOBIUS_EPS", "finish_mobius", "mobius_argv", "mobius_missing", "set_accuracy_level")),
     ("bitpress.hf.genai_split", "bitpress.genai.split", ("DECODER", "EMBEDDING", "EMBEDS", "split_package")),
     ("bitpress.hf.genai_extra", "bitpress.genai", ("GENAI_INSTALL_HINT",)),
+    # configs, plans and runs: bitpress.workflow
+    ("bitpress.dry_run", "bitpress.workflow.plan",
+     ("PlanResult", "StepPlan", "plan_lines", "plan_quantize", "plan_run", "plan_workflow", "weight_table_lines")),
 ]
 
 

@@ -29,7 +29,8 @@ import onnx
 import pytest
 
 import bitpress.output
-import bitpress.workflow
+import bitpress.workflow.config
+import bitpress.workflow.runner
 from bitpress import hookimpl, synthetic
 from bitpress.errors import Interrupted
 from bitpress.passes import Pass, PassContext
@@ -502,9 +503,10 @@ def test_setup_errors_create_no_folder(case: str, tmp_path: Path, cli, tiny_deco
 def test_bad_jobs_in_python_create_no_folder(tmp_path: Path, registry: Registry, tiny_decoder: Path) -> None:
     from bitpress.errors import UsageError
 
-    wf = bitpress.workflow.Workflow(input=tiny_decoder, output=tmp_path / "new" / "q.onnx", steps=[], jobs="many")
+    wf = bitpress.workflow.config.Workflow(input=tiny_decoder, output=tmp_path / "new" / "q.onnx", steps=[],
+                                           jobs="many")
     with pytest.raises(UsageError, match="jobs"):
-        bitpress.workflow.run_workflow(wf, registry)
+        bitpress.workflow.runner.run_workflow(wf, registry)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -558,7 +560,7 @@ def test_write_errors_are_clean(code_name: str, reason: str, where: str, tmp_pat
         raise OSError(number, reason, str(destination))
 
     if where == "host":
-        monkeypatch.setattr(bitpress.workflow, "_save", lambda registry, model, dest, save: fail(dest))
+        monkeypatch.setattr(bitpress.workflow.runner, "_save", lambda registry, model, dest, save: fail(dest))
         reg = make_registry()
     else:
         class FullDisk:

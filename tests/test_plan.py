@@ -13,10 +13,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 import bitpress
 from bitpress import cli
-from bitpress.dry_run import plan_quantize, plan_workflow
 from bitpress.passes import Pass
 from bitpress.synthetic import build_decoder
-from bitpress.workflow import PassStep, Workflow
+from bitpress.workflow.config import PassStep, Workflow
+from bitpress.workflow.plan import plan_quantize, plan_workflow
 
 EMBED = "model.embed_tokens.weight"
 UP = "/model/layers.0/mlp/up_proj/MatMul"

@@ -21,7 +21,7 @@ from bitpress.models.base import ModelHandle
 from bitpress.options import NoOptions, describe, option, parse_options
 from bitpress.passes import Pass, PassContext
 from bitpress.plugins import Registry
-from bitpress.workflow import build_workflow
+from bitpress.workflow.config import build_workflow
 
 
 def _plugin(*classes: type[Pass], **hooks: Any) -> SimpleNamespace:

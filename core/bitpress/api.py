@@ -15,17 +15,16 @@ from bitpress.options import as_dict
 from bitpress.passes import Pass
 from bitpress.plugins import Registry, canonical_precision, get_registry
 from bitpress.sweep.runner import SweepResult, sweep  # also makes `bitpress.sweep(...)` callable
-from bitpress.workflow import (
+from bitpress.workflow.config import (
     PassStep,
-    RunResult,
     Workflow,
     build_workflow,
     check_jobs,
     input_kind,
     load_config,
-    run,
-    run_workflow,
+    select_pass,
 )
+from bitpress.workflow.runner import RunResult, run, run_workflow
 
 
 def load_model(path: str | Path, **options: Any) -> ModelHandle:
@@ -80,7 +79,7 @@ def quantize(
     registry = registry or get_registry()
     model_path = Path(model)
     spec = None if executor is None else ExecutorSpec.from_value(executor)
-    cls = _select(registry, algorithm, precision, model_path)
+    cls = select_pass(registry, algorithm, precision, model_path)
     precision = canonical_precision(cls, precision)
     step = PassStep(cls.from_config(options or {}, precision, strict=strict), f"{algorithm}/{precision or '-'}")
     if env_timeout is not None:
@@ -115,7 +114,7 @@ def workflow_config(
 ) -> dict[str, Any]:
     """The workflow config (a mapping) that builds ``wf`` again, for a file in ``folder``.
 
-    Paths are relative to ``folder`` (as :func:`bitpress.workflow.load_config` reads them);
+    Paths are relative to ``folder`` (as :func:`bitpress.workflow.config.load_config` reads them);
     each pass is written by name with its precision and the options that differ from the
     pass's defaults (not those the precision implies).
     """
@@ -222,11 +221,6 @@ def _plain(value: Any) -> Any:
     if value is None or isinstance(value, bool | int | float | str):
         return value
     return str(value)
-
-
-def _select(registry: Registry, algorithm: str, precision: str | None, path: Path) -> type[Pass]:
-    """The pass for ``algorithm`` that accepts the kind of model ``path`` holds."""
-    return registry.select(algorithm, precision, input_kind(registry, path))
 
 
 #: the Python API (``bitpress.quantize`` and the rest); the functions that live elsewhere are re-exported here

@@ -1,6 +1,6 @@
 """Putting a finished output in place: one run per output, and moves that never replace what appeared.
 
-:func:`bitpress.workflow.run_workflow` assembles an output in a temporary folder beside its
+:func:`bitpress.workflow.runner.run_workflow` assembles an output in a temporary folder beside its
 final place (``.<name>.bitpress-XXXXXXXX``) and moves it there at the end. This module holds
 what makes that last step safe against other programs and other bitpress runs:
 

@@ -268,7 +268,7 @@ class Quantized:
     case: Case
     src: Path
     out: Path
-    result: Any  # bitpress.workflow.RunResult
+    result: Any  # bitpress.workflow.runner.RunResult
     input_untouched: bool
 
 

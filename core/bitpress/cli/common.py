@@ -122,7 +122,7 @@ def report(result: Any, as_json: bool, show_weights: bool = False) -> None:
     if as_json:
         print(json.dumps(result.to_json(), indent=2))
         return
-    from bitpress.dry_run import weight_table_lines
+    from bitpress.workflow.plan import weight_table_lines
 
     total = sum(result.seconds.values())
     # the ratio is over the models (.onnx + external data); tokenizer and config files are counted apart

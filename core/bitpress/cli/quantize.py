@@ -74,7 +74,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     from bitpress.api import quantize
 
     if args.plan:
-        from bitpress.dry_run import plan_quantize
+        from bitpress.workflow.plan import plan_quantize
 
         return _show_plan(plan_quantize(args.model, algorithm=args.algorithm, precision=args.precision,
                                         options=parse_kv(args.option), components=args.components,
@@ -95,7 +95,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from bitpress.api import run
 
     if args.plan:
-        from bitpress.dry_run import plan_run
+        from bitpress.workflow.plan import plan_run
 
         return _show_plan(plan_run(args.config), args.json)
     # the flags override the config's settings; those not given leave them as the config says
@@ -124,7 +124,7 @@ def _data(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _show_plan(result: Any, as_json: bool) -> int:
-    from bitpress.dry_run import plan_lines
+    from bitpress.workflow.plan import plan_lines
 
     if as_json:
         print(json.dumps(result.to_json(), indent=2))

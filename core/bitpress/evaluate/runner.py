@@ -245,10 +245,10 @@ def bits_per_weight(model: OnnxModel) -> float | None:
 
 
 def recorded_passes(model: OnnxModel) -> list[dict[str, Any]] | None:
-    """The passes recorded in the model's ``bitpress`` metadata (see ``workflow.record_pass``)."""
+    """The passes recorded in the model's ``bitpress`` metadata (see :func:`bitpress.workflow.runner.record_pass`)."""
     import json
 
-    from bitpress.workflow import METADATA_KEY
+    from bitpress.workflow.runner import METADATA_KEY
 
     for prop in model.proto.metadata_props:
         if prop.key == METADATA_KEY:

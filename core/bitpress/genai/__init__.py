@@ -27,7 +27,7 @@ keep it free of import circles:
   the model handles read ``genai_config.json`` through it
   (:class:`~bitpress.models.onnx_package.OnnxPackage`), so it cannot import them back;
 * :mod:`~bitpress.genai.publish` is the top of the package: it runs whole workflows
-  (:func:`bitpress.workflow.run`) and evaluations (:mod:`bitpress.evaluate`) for each cell, so
+  (:func:`bitpress.workflow.runner.run`) and evaluations (:mod:`bitpress.evaluate`) for each cell, so
   nothing below the workflow (the rest of this package included) imports it.
 
 Calibration data built from text and the KV-cache feeds here is :mod:`bitpress.calibration`'s

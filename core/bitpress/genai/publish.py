@@ -32,7 +32,7 @@ evaluated against the reference cell (``eval.reference``, default the first floa
 an EP): perplexity on the text's windows, its change, top-1 agreement and the largest logits
 difference, recorded in the cell's manifest (``eval``) and in the index.
 
-The top of :mod:`bitpress.genai`: each cell is a whole run (:func:`bitpress.workflow.run`, the
+The top of :mod:`bitpress.genai`: each cell is a whole run (:func:`bitpress.workflow.runner.run`, the
 ``hf_to_genai`` pass building the package with :mod:`bitpress.genai.export`) and evaluation
 (:mod:`bitpress.evaluate`), so nothing below the workflow imports this module.
 """
@@ -144,7 +144,7 @@ def plan_cells(config: dict[str, Any]) -> tuple[list[Cell], dict[str, dict[str, 
 
 def publish(config: dict[str, Any], *, overwrite: bool = False, progress: Any = None) -> PublishResult:
     """Build every cell of ``config`` (see the module's docstring)."""
-    from bitpress.workflow import run
+    from bitpress.workflow.runner import run
 
     for key in ("input", "output"):
         if not isinstance(config.get(key), str | Path):
@@ -284,7 +284,7 @@ def evaluate_cells(result: PublishResult, spec: dict[str, Any], *, progress: Any
 
 def load_publish_config(path: Path) -> dict[str, Any]:
     """A publish config from a file: input, output and the variants' data files relative to its folder."""
-    from bitpress.workflow import load_config
+    from bitpress.workflow.config import load_config
 
     data = load_config(Path(path))
     base = Path(path).parent

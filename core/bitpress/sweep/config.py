@@ -155,7 +155,7 @@ def job_id(model: str, pass_name: str, precision: str | None, options: dict[str,
 def load_sweep_config(path: str | Path) -> dict[str, Any]:
     """A sweep config from a YAML / JSON file (the workflow configs' safe loader), paths made
     relative to its folder: models, output, data, eval.text, eval.tokenizer and eval.data."""
-    from bitpress.workflow import load_config
+    from bitpress.workflow.config import load_config
 
     path = Path(path)
     data = load_config(path)  # output and data are relative to the config already
@@ -193,7 +193,7 @@ def parse_sweep(config: dict[str, Any], registry: Registry | None = None) -> Swe
     the pass's Options class refuses (each grid point is checked as a workflow config's pass
     would be), grids that are not lists, models that do not exist.
     """
-    from bitpress.workflow import _check_size, _kind
+    from bitpress.workflow.config import _check_size, _kind
 
     registry = registry or get_registry()
     if not isinstance(config, dict):
@@ -309,7 +309,7 @@ def _short(value: Any, limit: int = 40) -> str:
 
 def _check_keys(mapping: dict[Any, Any], keys: tuple[str, ...], where: str) -> None:
     from bitpress.options import _did_you_mean
-    from bitpress.workflow import _kind
+    from bitpress.workflow.config import _kind
 
     for key in mapping:
         if not isinstance(key, str):
@@ -320,7 +320,7 @@ def _check_keys(mapping: dict[Any, Any], keys: tuple[str, ...], where: str) -> N
 
 
 def _models(raw: Any) -> list[Path]:
-    from bitpress.workflow import _kind
+    from bitpress.workflow.config import _kind
 
     if isinstance(raw, str | os.PathLike):
         raw = [raw]
@@ -344,7 +344,7 @@ def _models(raw: Any) -> list[Path]:
 
 
 def _path_value(value: Any, where: str) -> str | None:
-    from bitpress.workflow import _kind
+    from bitpress.workflow.config import _kind
 
     if value is None:
         return None
@@ -357,7 +357,7 @@ def _path_value(value: Any, where: str) -> str | None:
 
 def _passes(raw: Any) -> list[tuple[str, dict[str, Any]]]:
     """``passes``: each entry a name or ``{type, precision, options, grid}``; (where, entry) pairs."""
-    from bitpress.workflow import _kind
+    from bitpress.workflow.config import _kind
 
     if raw is None:
         raise ConfigError("the sweep config needs 'passes': a list of pass names or {type, options, grid} mappings "
@@ -399,7 +399,7 @@ def _passes(raw: Any) -> list[tuple[str, dict[str, Any]]]:
 
 def _grid(raw: Any, where: str) -> dict[str, list[Any]]:
     """A grid: option names to non-empty lists of values (the cartesian product is swept)."""
-    from bitpress.workflow import _kind
+    from bitpress.workflow.config import _kind
 
     if raw is None:
         return {}
@@ -424,8 +424,8 @@ def _grid(raw: Any, where: str) -> dict[str, list[Any]]:
 
 
 def _count(value: Any, where: str, what: str) -> int | None:
-    from bitpress.workflow import MAX_JOBS as MAX_THREADS
-    from bitpress.workflow import _kind
+    from bitpress.workflow.config import MAX_JOBS as MAX_THREADS
+    from bitpress.workflow.config import _kind
 
     if value is None:
         return None
@@ -436,7 +436,7 @@ def _count(value: Any, where: str, what: str) -> int | None:
 
 
 def _eval(raw: Any) -> EvalSpec | None:
-    from bitpress.workflow import _kind
+    from bitpress.workflow.config import _kind
 
     if raw is False:
         return None
@@ -493,7 +493,7 @@ def _check_tokenizer(ev: EvalSpec, models: list[Path]) -> None:
 
 def _workflow_parts(data: Any, save: Any) -> tuple[Any, dict[str, Any] | None]:
     """``data`` and ``save``, checked as a workflow config's are; kept as given for each job."""
-    from bitpress.workflow import _SAVE_KEYS, _data, _mapping
+    from bitpress.workflow.config import _SAVE_KEYS, _data, _mapping
 
     if data is not None:
         _data(data)
@@ -512,13 +512,13 @@ def _executor_spec(value: Any) -> Any:
 
 
 def _model_kind(registry: Registry, model: Path) -> str:
-    from bitpress.workflow import input_kind
+    from bitpress.workflow.config import input_kind
 
     return input_kind(registry, model)
 
 
 def _resolve(registry: Registry, entry: dict[str, Any], kind: str, where: str) -> type:
-    from bitpress.workflow import _resolve_pass
+    from bitpress.workflow.config import _resolve_pass
 
     try:
         return _resolve_pass(registry, entry["type"], entry["precision"], kind)
@@ -551,7 +551,7 @@ def _publish_jobs(raw: Any, models: list[Path], kinds: dict[Path, str], ev: Eval
     """``publish: {matrix, reference}``: every cell of the matrix (planned and checked by
     :mod:`bitpress.genai.publish`) for every Hugging Face model, one job each."""
     from bitpress.genai.publish import _RUNNABLE, _check_genai, plan_cells
-    from bitpress.workflow import _kind
+    from bitpress.workflow.config import _kind
 
     if not isinstance(raw, dict):
         raise ConfigError(f"publish: expected a mapping {{matrix: {{dtypes, eps, variants, folders, genai}}, "
@@ -634,7 +634,7 @@ def _publish_jobs(raw: Any, models: list[Path], kinds: dict[Path, str], ev: Eval
 
 def _check_variant(registry: Registry, name: str, spec: dict[str, Any], model: Path) -> None:
     """A variant's passes (and data), checked as the workflow publish runs for it would check them."""
-    from bitpress.workflow import build_workflow
+    from bitpress.workflow.config import build_workflow
 
     wf: dict[str, Any] = {"input": str(model), "output": str(model.parent / f".{model.name}-publish-check"),
                           "passes": spec["passes"]}

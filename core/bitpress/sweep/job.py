@@ -70,7 +70,7 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     its one-line reason: it never raises, except for an interruption (``KeyboardInterrupt``).
     """
     from bitpress.evaluate.runner import evaluate
-    from bitpress.workflow import run
+    from bitpress.workflow.runner import run
 
     if spec.get("cell") is not None:
         return run_cell(spec)
