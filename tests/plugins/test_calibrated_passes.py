@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +138,17 @@ def test_awq_refuses_a_quantizer_that_is_not_a_block_solver(decoder: Path, tmp_p
 
     with pytest.raises(UsageError, match="not a block-solver pass"):
         _report(awq_passes.AwqPass, decoder, tmp_path, quantizer="gptq")
+
+
+def test_rank_deficient_statistics_are_named(decoder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """128 calibration tokens for the MLP's 352-wide down projection: one warning names its inputs; enough, none."""
+    with caplog.at_level(logging.WARNING, logger="bitpress"):
+        _report(gptq_passes.GptqPass, decoder, tmp_path / "few", block_size=32)
+    warned = [r.getMessage() for r in caplog.records if "rank-deficient" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "gptq: 2 layer input(s) saw 128 calibration tokens for up to 352 channels" in warned[0]
+    assert "give at least 704 tokens" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="bitpress"):
+        _report(gptq_passes.GptqPass, decoder, tmp_path / "enough", dict(DATA, samples=12), block_size=32)
+    assert not [r for r in caplog.records if "rank-deficient" in r.getMessage()]

@@ -21,7 +21,11 @@ if TYPE_CHECKING:
 @dataclass
 class GptqHfOptions(CalibratedHfOptions):
     sym: bool = option(False, "symmetric (no zero points); default: an integer zero point per block")
-    damp_percent: float = option(0.01, "dampening added to the Hessian's diagonal, as a share of its mean")
+    damp_percent: float = option(0.1, "dampening added to the Hessian's diagonal, as a share of its mean")
+    shrinkage: float = option(
+        0.6, "the Hessian's off-diagonal entries scaled by 1 - shrinkage (covariance shrinkage toward its diagonal): "
+        "less trust in cross-channel correlations that a small or unlike calibration set gets wrong"
+    )
     block_size_solve: int = option(128, "columns updated lazily at once (GPTQ's block size; whole groups)")
     desc_act: bool = option(
         True, "act-order: solve the input channels by decreasing activation energy (static groups: the checkpoint "

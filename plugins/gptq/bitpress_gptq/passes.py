@@ -28,7 +28,11 @@ from bitpress_gptq.solver import GptqSolver, settings_from
 class GptqOptions(CalibratedOptions):
     block_size: int = option(128, "weights per quantization group along K (MatMulNBits block_size): 16-256")
     is_symmetric: bool = option(False, "symmetric (no zero points stored); default: integer zero points")
-    damp_percent: float = option(0.01, "dampening added to the Hessian's diagonal, as a share of its mean")
+    damp_percent: float = option(0.1, "dampening added to the Hessian's diagonal, as a share of its mean")
+    shrinkage: float = option(
+        0.6, "the Hessian's off-diagonal entries scaled by 1 - shrinkage (covariance shrinkage toward its diagonal): "
+        "less trust in cross-channel correlations that a small or unlike calibration set gets wrong"
+    )
     block_size_solve: int = option(128, "columns updated lazily at once (GPTQ's block size; a multiple of block_size)")
     desc_act: bool = option(
         True, "act-order: solve the input channels by decreasing activation energy (static groups, so MatMulNBits "

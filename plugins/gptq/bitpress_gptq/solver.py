@@ -55,6 +55,7 @@ class GptqSettings:
     """GPTQ's options (the ``gptq`` passes fill them from their own)."""
 
     damp_percent: float = 0.01  # diagonal damping, a fraction of the mean diagonal of H
+    shrinkage: float = 0.0  # off-diagonal entries of H scaled by 1 - shrinkage (toward its diagonal)
     block_size_solve: int = 128  # lazy batch width (rounded up to whole groups)
     desc_act: bool = False  # act-order: channels by decreasing H[i, i]
     static_groups: bool = False  # group parameters from the original weights (always with desc_act)
@@ -63,6 +64,8 @@ class GptqSettings:
     def validate(self) -> None:
         if not (np.isfinite(self.damp_percent) and self.damp_percent >= 0):
             raise ValueError(f"damp_percent must be a finite number >= 0, got {self.damp_percent}")
+        if not (np.isfinite(self.shrinkage) and 0 <= self.shrinkage <= 1):
+            raise ValueError(f"shrinkage must be from 0 to 1, got {self.shrinkage}")
         if self.block_size_solve < 1:
             raise ValueError(f"block_size_solve must be a positive integer, got {self.block_size_solve}")
 
@@ -72,13 +75,16 @@ class GptqSettings:
 
 
 def settings_from(options: Any) -> GptqSettings:
-    """:class:`GptqSettings` from a pass's options (``damp_percent``, ``block_size_solve``, ``desc_act``,
-    ``mse``), checked: the ONNX and Hugging Face passes validate and build them the same way."""
+    """:class:`GptqSettings` from a pass's options (``damp_percent``, ``shrinkage``, ``block_size_solve``,
+    ``desc_act``, ``mse``), checked: the ONNX and Hugging Face passes validate and build them the same way."""
     if not 0 < options.damp_percent < 1:
         raise ValueError(f"damp_percent must be between 0 and 1, got {options.damp_percent}")
+    if not 0 <= options.shrinkage < 1:
+        raise ValueError(f"shrinkage must be from 0 (the Hessian as measured) to below 1, got {options.shrinkage}")
     if not 16 <= options.block_size_solve <= 4096:
         raise ValueError(f"block_size_solve must be from 16 to 4096, got {options.block_size_solve}")
-    return GptqSettings(damp_percent=options.damp_percent, block_size_solve=options.block_size_solve,
+    return GptqSettings(damp_percent=options.damp_percent, shrinkage=options.shrinkage,
+                        block_size_solve=options.block_size_solve,
                         desc_act=options.desc_act, mse=options.mse)
 
 
@@ -136,6 +142,13 @@ def _gather(h: np.ndarray, order: np.ndarray, out: np.ndarray) -> None:
         out[i : i + step] = h[order[i : i + step]][:, order]
 
 
+def _scale(m: np.ndarray, factor: np.float32) -> None:
+    """In place: ``m *= factor``, by chunks of rows."""
+    step = _chunk_rows(m.shape[-1])
+    for i in range(0, m.shape[0], step):
+        m[i : i + step] *= factor
+
+
 def _flip_upper(m: np.ndarray) -> None:
     """In place: ``m = triu(m[::-1, ::-1])`` (a row swap at a time: no ``[K, K]`` temporary)."""
     n = m.shape[0]
@@ -189,6 +202,10 @@ class GptqSolver:
         for attempt in range(DAMP_RETRIES + 1):
             frac = base if attempt == 0 else max(base, 0.01) * 10**attempt
             _gather(h, order, m)
+            if self.settings.shrinkage:  # (1 - s) H + s diag(H): a convex mix of two PSD matrices stays PSD
+                d = m[idx, idx].copy()
+                _scale(m, np.float32(1.0 - self.settings.shrinkage))
+                m[idx, idx] = d
             m[gone, :] = 0  # dead channels isolated: where they sit in the order changes nothing
             m[:, gone] = 0
             m[gone, gone] = 1

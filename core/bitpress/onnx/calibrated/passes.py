@@ -67,6 +67,19 @@ class CalibratedOptions(WeightOnlyOptions):
             raise ValueError(f"memory_mb must be at least 16, got {self.memory_mb}")
 
 
+def warn_rank_deficient(pass_name: str, thin: list[tuple[str, int, int]]) -> None:
+    """One warning naming the layer inputs whose calibration Hessian saw fewer tokens than it has channels.
+
+    Such a Hessian is rank-deficient: a solver that inverts it (GPTQ) fits the calibration text in the
+    directions it never saw, and the result can be worse than plain rounding on other text."""
+    tokens = min(rows for _, rows, _ in thin)
+    widest = max(k for _, _, k in thin)
+    names = ", ".join(a for a, _, _ in thin[:4]) + (f" and {len(thin) - 4} more" if len(thin) > 4 else "")
+    log.warning("%s: %d layer input(s) saw %d calibration tokens for up to %d channels (%s): their statistics are "
+                "rank-deficient and the solve may fit the calibration text; give at least %d tokens "
+                "(data: samples x seq_len)", pass_name, len(thin), tokens, widest, names, 2 * widest)
+
+
 class CalibratedPass(WeightOnlyPass):
     """Base of calibrated weight-only passes (GPTQ, AWQ): subclasses give :meth:`calibrated_solver`.
 
@@ -140,6 +153,7 @@ class CalibratedPass(WeightOnlyPass):
         store = FrontierStore(folder, opts.memory_mb << 20)
         substitutes = SubstituteStore(folder / "substitutes") if opts.sequential else None
         scalings: list[InputScaling] = []
+        thin: list[tuple[str, int, int]] = []  # inputs whose Hessian has fewer tokens than channels
         n = len(feeds)
         try:
             for s, feed in enumerate(feeds):
@@ -161,6 +175,8 @@ class CalibratedPass(WeightOnlyPass):
                 for j, stage in enumerate(splan.stages):
                     t0 = time.perf_counter()
                     stats = self._observe(model, splan, j, store, n, needs, substitutes)
+                    thin += [(a, st.rows, st.hessian.shape[0]) for a, st in stats.items()
+                             if st.hessian is not None and st.rows < st.hessian.shape[0]]
                     t1 = time.perf_counter()
                     groups = [g for g in p.groups if done_at[g.weight] == j]
                     self._solve_stage(model, groups, acts_of, stats, store, n, scaler, solvers, writer, report,
@@ -178,6 +194,8 @@ class CalibratedPass(WeightOnlyPass):
             store.close()
             if substitutes is not None:
                 substitutes.close()
+        if thin:
+            warn_rank_deficient(self.name, thin)
         writer.finish()
         report.stored_bytes = writer.stored_bytes
         apply_scalings(model, scalings, {g.weight for g in p.groups})
