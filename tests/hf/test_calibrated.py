@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -300,3 +301,31 @@ def test_calibration_data_from_text_and_npz(tmp_path: Path) -> None:
         calibration_batches({"source": str(tmp_path / "c.npz")}, None, 32)
     with pytest.raises(UsageError, match="needs a tokenizer"):
         calibration_batches({"source": str(text)}, None, 256)
+
+
+def test_gptq_hf_takes_enough_samples_for_the_widest_linear(llama_untied_folder: Path, tmp_path: Path,
+                                                            registry: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """No ``samples``: 2 tokens per input channel of the widest linear (the MLP's down projection)."""
+    import json
+
+    from bitpress.calibration.data import samples_for
+
+    config = json.loads((llama_untied_folder / "config.json").read_text())
+    widest = max(config["hidden_size"], config["intermediate_size"])
+    want = samples_for(widest, 16, 2)
+    with caplog.at_level(logging.INFO, logger="bitpress"):
+        bitpress.run({"input": str(llama_untied_folder), "output": str(tmp_path / "a"),
+                      "passes": [{"type": "Gptq", "group_size": 32}],
+                      "data": {"source": "random", "seq_len": 16, "batch": 2}}, registry=registry)
+    assert f"gptq_hf: calibrating on up to {want} samples of 16 tokens ({want * 32} tokens for layer inputs up to " \
+           f"{widest} wide" in caplog.text
+
+
+def test_gptq_hf_names_inputs_with_too_few_tokens(llama_untied_folder: Path, tmp_path: Path, registry: Any,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="bitpress"):
+        bitpress.run({"input": str(llama_untied_folder), "output": str(tmp_path / "a"),
+                      "passes": [{"type": "Gptq", "group_size": 32}],
+                      "data": {"source": "random", "samples": 1, "seq_len": 8}}, registry=registry)
+    warned = [r.getMessage() for r in caplog.records if "rank-deficient" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("gptq_hf: ") and "saw 8 calibration tokens" in warned[0]

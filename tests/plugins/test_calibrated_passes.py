@@ -152,3 +152,20 @@ def test_rank_deficient_statistics_are_named(decoder: Path, tmp_path: Path, capl
     with caplog.at_level(logging.WARNING, logger="bitpress"):
         _report(gptq_passes.GptqPass, decoder, tmp_path / "enough", dict(DATA, samples=12), block_size=32)
     assert not [r for r in caplog.records if "rank-deficient" in r.getMessage()]
+
+
+def test_samples_default_to_enough_for_the_widest_input(decoder: Path, tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """No ``samples`` given: 2 tokens per channel of the widest input (352): 22 windows of 32 tokens, no warning."""
+    from bitpress.calibration.data import DataConfig, samples_for
+
+    assert samples_for(352, 32) == 22 and samples_for(1536, 128) == 24
+    assert samples_for(64, 128) == 8 and samples_for(11008, 128) == 128  # from 8 to 128
+    assert DataConfig().count == 8 and DataConfig(samples=3).enough_for(352, "x").samples == 3
+    data = {k: v for k, v in DATA.items() if k != "samples"}
+    with caplog.at_level(logging.INFO, logger="bitpress"):
+        _report(gptq_passes.GptqPass, decoder, tmp_path, data, block_size=32)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("gptq: calibrating on up to 22 samples of 32 tokens (704 tokens") for m in messages)
+    assert any("gptq: 22 samples" in m for m in messages)
+    assert not [m for m in messages if "rank-deficient" in m]

@@ -17,13 +17,19 @@ KV-cache exports (ONNX Runtime GenAI builder, Optimum, mobius) work with every s
 the model needs one (a sliding-window or static cache), as ``bitpress eval`` feeds them
 (:mod:`bitpress.genai.kvcache`; head counts and window sizes from ``genai_config.json``). Text
 becomes windows of tokens in :mod:`bitpress.calibration.text`.
+
+How many samples: ``samples`` when given; else a calibrated pass (GPTQ, AWQ, on ONNX and on
+Hugging Face models) takes enough for its widest layer input (:meth:`DataConfig.enough_for`:
+twice as many tokens as that input has channels, 8 to 128 samples), and everything else
+:data:`DEFAULT_SAMPLES`. Fewer tokens than channels leave the input's statistics (its Hessian)
+rank-deficient, and a solver that inverts them fits the calibration text.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +44,30 @@ from bitpress.onnx.inputs import InputSpec, input_specs, vocab_size
 
 log = logging.getLogger(__name__)
 
+#: samples taken when ``samples`` is not given and the consumer asks for no more
+DEFAULT_SAMPLES = 8
+#: the most samples :meth:`DataConfig.enough_for` picks by itself (16384 tokens of 128)
+MAX_AUTO_SAMPLES = 128
+#: calibration tokens a calibrated pass wants per channel of its widest input
+TOKENS_PER_CHANNEL = 2
+
+
+def samples_for(width: int, seq_len: int, batch: int = 1) -> int:
+    """Samples of ``seq_len`` tokens (``batch`` rows each) giving ``TOKENS_PER_CHANNEL x width`` tokens,
+    from :data:`DEFAULT_SAMPLES` to :data:`MAX_AUTO_SAMPLES`."""
+    per_sample = max(1, seq_len) * max(1, batch)
+    return min(MAX_AUTO_SAMPLES, max(DEFAULT_SAMPLES, -(-TOKENS_PER_CHANNEL * width // per_sample)))
+
 
 @dataclass
 class DataConfig:
-    """Where calibration inputs come from; ``source`` is ``random``, a .npz file/folder or a .txt."""
+    """Where calibration inputs come from; ``source`` is ``random``, a .npz file/folder or a .txt.
+
+    ``samples``: how many; None (not given) is :data:`DEFAULT_SAMPLES`, or what a calibrated pass
+    needs (:meth:`enough_for`)."""
 
     source: str = "random"
-    samples: int = 8
+    samples: int | None = None
     seq_len: int = 128
     batch: int = 1
     tokenizer: str | None = None
@@ -65,11 +88,27 @@ class DataConfig:
                 ) from None
         raise ConfigError(f"data must be a source string or a mapping, got {value!r}")
 
+    @property
+    def count(self) -> int:
+        """The samples to take: ``samples``, or :data:`DEFAULT_SAMPLES` when it was not given."""
+        return self.samples if self.samples is not None else DEFAULT_SAMPLES
+
+    def enough_for(self, width: int, who: str) -> DataConfig:
+        """This config with ``samples`` set for layer inputs up to ``width`` channels wide when it was not
+        given (:func:`samples_for`); logged, naming ``who`` (the pass)."""
+        if self.samples is not None:
+            return self
+        n = samples_for(width, self.seq_len, self.batch)
+        log.info("%s: calibrating on up to %d samples of %d tokens (%d tokens for layer inputs up to %d wide; "
+                 "data: samples sets another number)", who, n, self.seq_len, n * self.seq_len * max(1, self.batch),
+                 width)
+        return replace(self, samples=n)
+
 
 def iter_feeds(
     model: onnx.ModelProto, config: DataConfig, model_dir: Path | None = None, *, root: Path | None = None
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Yield ``config.samples`` feeds for ONNX Runtime.
+    """Yield ``config.count`` feeds for ONNX Runtime.
 
     ``model_dir``: the model's folder (its tokenizer.json and genai_config.json); ``root``: the
     package folder holding it (an ONNX Runtime GenAI folder whose model is in a sub-folder), where
@@ -112,7 +151,7 @@ def _concrete(shape: tuple, batch: int, seq: int) -> tuple[int, ...]:
 
 def _random(specs: list[InputSpec], config: DataConfig, vocab: int) -> Iterator[dict[str, np.ndarray]]:
     rng = np.random.default_rng(config.seed)
-    for _ in range(config.samples):
+    for _ in range(config.count):
         feed = {}
         for s in specs:
             shape = _concrete(s.shape, config.batch, config.seq_len)
@@ -152,7 +191,7 @@ def _npz(
         for i in range(0, n, step):
             yield {k: arrays[k][i : i + step] for k in names if k in arrays}
             produced += 1
-            if produced >= config.samples:
+            if produced >= config.count:
                 return
 
 
@@ -167,7 +206,7 @@ def _text(
     tok_path = find_tokenizer(config.tokenizer, [(Path(model_dir), root)] if model_dir is not None else [],
                               "--tokenizer / data.tokenizer")
     tokens = tokenize(path, tok_path)
-    windows = token_windows(tokens, config.seq_len, config.samples * config.batch, shorter="error")
+    windows = token_windows(tokens, config.seq_len, config.count * config.batch, shorter="error")
     for _, feed in window_feeds(specs, plan, windows, config.batch, "text calibration"):
         yield feed
 

@@ -65,7 +65,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "segfault) is then a clean error and writes nothing")
     d = p.add_argument_group("calibration data (passes that need or use it)")
     d.add_argument("--data", help="random, a .npz file or folder of .npz, or a .txt file (with a tokenizer)")
-    d.add_argument("--samples", type=int, default=8, help="calibration samples (default 8)")
+    d.add_argument("--samples", type=int, help="calibration samples (default: enough for the widest layer input, "
+                   "2 tokens per channel, 8 to 128, for GPTQ and AWQ; 8 for other passes)")
     d.add_argument("--seq-len", type=int, default=128, help="tokens per text sample (default 128)")
     d.add_argument("--tokenizer", help="tokenizer.json (or its folder) for text data; default: the model's folder")
 
@@ -120,7 +121,8 @@ def _executor(args: argparse.Namespace) -> Any:
 def _data(args: argparse.Namespace) -> dict[str, Any] | None:
     if not args.data:
         return None
-    return {"source": args.data, "samples": args.samples, "seq_len": args.seq_len, "tokenizer": args.tokenizer}
+    data = {"source": args.data, "samples": args.samples, "seq_len": args.seq_len, "tokenizer": args.tokenizer}
+    return {k: v for k, v in data.items() if v is not None or k == "tokenizer"}
 
 
 def _show_plan(result: Any, as_json: bool) -> int:

@@ -118,7 +118,7 @@ def cache_note(model: onnx.ModelProto, hints: dict[str, Any]) -> str | None:
 def data_feeds(
     model: onnx.ModelProto, config: DataConfig, model_dir: Path, hints: dict[str, Any]
 ) -> list[dict[str, np.ndarray]]:
-    """``config.samples`` feeds from bitpress.calibration.data (random, .npz, text), with the cache filled."""
+    """``config.count`` feeds from bitpress.calibration.data (random, .npz, text), with the cache filled."""
     plan = cache_plan(model, hints)
     # bitpress.calibration.data fills what the stub takes; the cache is filled here, as this evaluation sees it
     # (both models' genai_config.json), not as model_dir's alone would

@@ -54,7 +54,14 @@ from bitpress.hf.qtensor import QuantSpec, QuantTensor
 from bitpress.hf.quantize import Job, Plan, _untie_config, apply
 from bitpress.interrupts import cancel_pending
 from bitpress.onnx.weightonly import Report
-from bitpress.quant.calibrated import CalibratedSolver, InputScaler, LayerStats, Target, output_error
+from bitpress.quant.calibrated import (
+    CalibratedSolver,
+    InputScaler,
+    LayerStats,
+    Target,
+    output_error,
+    warn_rank_deficient,
+)
 from bitpress.quant.solver import BlockSolver, BlockSpec, QuantizedBlocks, dequantize
 
 log = logging.getLogger(__name__)
@@ -126,11 +133,15 @@ class _Solver:
                  progress: Callable[[int], None] | None, scale_only: bool = False) -> None:
         self.method, self.report, self.jobs, self.progress = method, report, max(1, jobs), progress
         self.scale_only = scale_only
+        self.thin: dict[str, tuple[str, int, int]] = {}  # inputs whose Hessian saw fewer tokens than channels
 
     def solve(self, items: list[tuple[_Linear, LayerStats | None]]) -> None:
         """Quantize each linear with its input's statistics (None: the block solver, no statistics)."""
         if self.scale_only:
             return
+        for lin, stats in items:
+            if stats is not None and stats.hessian is not None and stats.rows < stats.channels:
+                self.thin.setdefault(str(id(stats)), (lin.name, stats.rows, stats.channels))
         prepared: dict[tuple[int, BlockSpec], Any] = {}
         tasks: list[tuple[int, int, int]] = []  # (item, row0, row1)
         weights: list[np.ndarray] = []
@@ -328,7 +339,7 @@ def _outside(model: nn.Module, lins: list[_Linear], layers: nn.ModuleList | None
 
 def quantize_calibrated(model: nn.Module, p: Plan, method: Method, batches: list[Batch], *, sequential: bool = True,
                         jobs: int = 1, progress: Callable[[int], None] | None = None,
-                        scale_only: bool = False) -> CalibratedReport:
+                        scale_only: bool = False, name: str = "calibrated quantization") -> CalibratedReport:
     """Quantize the jobs of ``p`` with ``method`` on ``batches``; returns what was done.
 
     ``scale_only``: apply the scaler's scales (folded exactly) and stop there: the weights stay
@@ -370,6 +381,8 @@ def quantize_calibrated(model: nn.Module, p: Plan, method: Method, batches: list
         report.weights += sub.weights
         report.stored_bytes += sub.stored_bytes
         report.errors.update(sub.errors)
+    if solver.thin:
+        warn_rank_deficient(name, list(solver.thin.values()))
     if any(job.kept_float for job in p.jobs) and not scale_only:
         _untie_config(model, p)
     if not p.jobs:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from bitpress.calibration.data import DataConfig
 from bitpress.errors import QuantizationError, UsageError
 from bitpress.hf.model import HfModel
 from bitpress.hf.passes import HfQuantPass
@@ -101,11 +102,13 @@ class CalibratedHfPass(HfQuantPass):
         method = self.method()
         emb = torch_model.get_input_embeddings()
         vocab = int(getattr(emb, "num_embeddings", 0) or getattr(torch_model.config, "vocab_size", 0))
-        batches = calibration_batches(context.data, model.source, vocab)
+        widest = max((int(j.param.shape[-1]) for j in p.jobs), default=1)
+        data = DataConfig.from_value(context.data).enough_for(widest, self.name) if context.data is not None else None
+        batches = calibration_batches(data, model.source, vocab)
         torch_model.eval()
         with context.step(len(p.jobs), "quantizing") as advance:
             report = quantize_calibrated(torch_model, p, method, batches, sequential=opts.sequential,
-                                         jobs=context.jobs, progress=advance)
+                                         jobs=context.jobs, progress=advance, name=self.name)
         record = {k: v for k, v in asdict(opts).items() if k not in ("trust_remote_code", "allow_pickle", "stream")}
         model.history.append({"pass": self.name, "options": record})
         context.extras.setdefault("reports", []).append((self.name, model.source, report))

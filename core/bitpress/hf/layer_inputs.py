@@ -81,7 +81,7 @@ def calibration_batches(data: Any, model_dir: Path | None, vocab_size: int) -> l
     if cfg.source == "random":
         log.warning("calibrating on random token ids: fine for smoke tests, not for real quality")
         gen = torch.Generator().manual_seed(cfg.seed)
-        ids = torch.randint(0, vocab_size, (cfg.samples * max(1, cfg.batch), cfg.seq_len), generator=gen)
+        ids = torch.randint(0, vocab_size, (cfg.count * max(1, cfg.batch), cfg.seq_len), generator=gen)
         return [Batch(chunk) for chunk in torch.split(ids, _rows_per_batch(cfg))]
     path = Path(cfg.source)
     if not path.exists():
@@ -128,7 +128,7 @@ def _text_batches(path: Path, cfg: DataConfig, model_dir: Path | None) -> list[B
                          "(a tokenizer.json or its folder)")
     folders = [(Path(model_dir), None)] if model_dir is not None else []
     tok = find_tokenizer(cfg.tokenizer, folders, "--tokenizer / data.tokenizer")
-    windows = token_windows(tokenize(path, tok), cfg.seq_len, cfg.samples * max(1, cfg.batch), shorter="error")
+    windows = token_windows(tokenize(path, tok), cfg.seq_len, cfg.count * max(1, cfg.batch), shorter="error")
     step = _rows_per_batch(cfg)
     return [Batch(torch.from_numpy(np.ascontiguousarray(windows[i: i + step])))
             for i in range(0, len(windows), step)]

@@ -21,12 +21,15 @@ padding channels all zero.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
 
 from bitpress.quant.solver import BlockSpec, QuantizedBlocks
+
+log = logging.getLogger(__name__)
 
 #: the statistics a solver may ask for (``needs``)
 STATS_KINDS = frozenset({"hessian", "mean_abs", "mean_sq", "sample"})
@@ -80,6 +83,19 @@ class LayerStats:
             None if self.mean_sq is None else np.pad(self.mean_sq, (0, n)),
             None if self.sample is None else np.pad(self.sample, ((0, 0), (0, n))),
         )
+
+
+def warn_rank_deficient(pass_name: str, thin: list[tuple[str, int, int]]) -> None:
+    """One warning naming the layer inputs whose calibration Hessian saw fewer tokens than it has channels.
+
+    Such a Hessian is rank-deficient: a solver that inverts it (GPTQ) fits the calibration text in the
+    directions it never saw, and the result can be worse than plain rounding on other text."""
+    tokens = min(rows for _, rows, _ in thin)
+    widest = max(k for _, _, k in thin)
+    names = ", ".join(a for a, _, _ in thin[:4]) + (f" and {len(thin) - 4} more" if len(thin) > 4 else "")
+    log.warning("%s: %d layer input(s) saw %d calibration tokens for up to %d channels (%s): their statistics are "
+                "rank-deficient and the solve may fit the calibration text; give at least %d tokens "
+                "(data: samples x seq_len)", pass_name, len(thin), tokens, widest, names, 2 * widest)
 
 
 def output_error(stats: LayerStats, delta: np.ndarray) -> float:

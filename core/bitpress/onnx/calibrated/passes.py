@@ -46,7 +46,7 @@ from bitpress.onnx.weightonly.solving import solve_group
 from bitpress.onnx.weightonly.writing import Writer
 from bitpress.options import option
 from bitpress.passes import PassContext
-from bitpress.quant.calibrated import CalibratedSolver, InputScaler, LayerStats, Target
+from bitpress.quant.calibrated import CalibratedSolver, InputScaler, LayerStats, Target, warn_rank_deficient
 
 log = logging.getLogger("bitpress.onnx.calibrated")
 
@@ -65,19 +65,6 @@ class CalibratedOptions(WeightOnlyOptions):
         super().validate()
         if self.memory_mb < 16:
             raise ValueError(f"memory_mb must be at least 16, got {self.memory_mb}")
-
-
-def warn_rank_deficient(pass_name: str, thin: list[tuple[str, int, int]]) -> None:
-    """One warning naming the layer inputs whose calibration Hessian saw fewer tokens than it has channels.
-
-    Such a Hessian is rank-deficient: a solver that inverts it (GPTQ) fits the calibration text in the
-    directions it never saw, and the result can be worse than plain rounding on other text."""
-    tokens = min(rows for _, rows, _ in thin)
-    widest = max(k for _, _, k in thin)
-    names = ", ".join(a for a, _, _ in thin[:4]) + (f" and {len(thin) - 4} more" if len(thin) > 4 else "")
-    log.warning("%s: %d layer input(s) saw %d calibration tokens for up to %d channels (%s): their statistics are "
-                "rank-deficient and the solve may fit the calibration text; give at least %d tokens "
-                "(data: samples x seq_len)", pass_name, len(thin), tokens, widest, names, 2 * widest)
 
 
 class CalibratedPass(WeightOnlyPass):
@@ -130,7 +117,8 @@ class CalibratedPass(WeightOnlyPass):
         opts = self.options
         started = time.perf_counter()
         self._dtypes: dict[str, np.dtype] = {}  # each activation's element type, seen on the way
-        feeds = list(_feeds(model, context))
+        widest = max(weight_shape(model, g)[1] for g in p.groups)
+        feeds = list(_feeds(model, context, widest, self.name))
         if not feeds:
             raise QuantizationError("the calibration data yielded no samples")
         scaler = self.input_scaler()
@@ -350,11 +338,12 @@ def _write_dequantized(model: OnnxModel, group: Group, res: Any, substitutes: Su
             out.write(r0, deq.reshape(r1 - r0, -1)[:, : res.k])
 
 
-def _feeds(model: OnnxModel, context: PassContext) -> Any:
+def _feeds(model: OnnxModel, context: PassContext, widest: int, who: str) -> Any:
+    """The calibration feeds; as many samples as the widest input (``widest`` channels) needs when not given."""
     from bitpress.calibration.data import DataConfig, iter_feeds
 
-    return iter_feeds(model.proto, DataConfig.from_value(context.data), model.source.parent,
-                      root=getattr(model, "package_root", None))
+    config = DataConfig.from_value(context.data).enough_for(widest, who)
+    return iter_feeds(model.proto, config, model.source.parent, root=getattr(model, "package_root", None))
 
 
 def rounding_solver(name: str, bits: int, block_size: int, symmetric: bool) -> tuple[Any, bool]:
