@@ -34,6 +34,7 @@ from bitpress.envs.manager import checkout_root
 from bitpress.envs.protocol import PROTOCOL, envs_root
 from bitpress.plugins import Registry
 from bitpress.synthetic import random_inputs
+from bitpress.testing import default_signals
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ROOT / "tests" / "data" / "envplugin"
@@ -556,7 +557,8 @@ def test_host_signal_kills_the_worker(envs: SimpleNamespace, tiny_decoder: Path,
     proc = subprocess.Popen(
         [sys.executable, "-m", "bitpress", "quantize", "-m", str(tiny_decoder), "-o", str(out), "--algorithm",
          "envround", "--option", "mode=sleep", "--option", "seconds=300", "--option", f"pidfile={pidfile}"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=default_signals)
     deadline = time.monotonic() + 120
     while not (pidfile.exists() and pidfile.read_text().strip()) and proc.poll() is None:
         assert time.monotonic() < deadline, "the worker never started its child"

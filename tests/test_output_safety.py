@@ -35,6 +35,7 @@ from bitpress import hookimpl, synthetic
 from bitpress.errors import Interrupted
 from bitpress.passes import Pass, PassContext
 from bitpress.plugins import Registry
+from bitpress.testing import default_signals
 
 BITPRESS = Path(sys.executable).parent / "bitpress"
 
@@ -407,7 +408,7 @@ def test_signal_cleans_up(sig: str, output: str, tmp_path: Path, nap: list[str],
     out = tmp_path / output
     proc = subprocess.Popen([*nap, "quantize", "-m", str(tiny_decoder), "-o", str(out), "--algorithm", "nap",
                              "--precision", "int4"], env=_environ(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=default_signals)
     _wait_for_temp(out.parent, proc)
     t0 = time.monotonic()
     proc.send_signal(signum)
@@ -429,7 +430,7 @@ def test_signal_during_threaded_quantization(sig: str, tmp_path: Path, medium_de
     out = tmp_path / "out" / "q.onnx"
     proc = subprocess.Popen([str(BITPRESS), "quantize", "-m", str(medium_decoder), "-o", str(out), "--algorithm",
                              "rtn", "--precision", "int4", "--jobs", "4"], env=_environ(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
     _wait_for_temp(out.parent, proc)
     time.sleep(0.3)  # into the quantization
     proc.send_signal(signum)

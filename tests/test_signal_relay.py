@@ -16,6 +16,8 @@ import textwrap
 
 import pytest
 
+from bitpress.testing import default_signals
+
 pytestmark = pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="POSIX threads' signals only")
 
 SCRIPT = textwrap.dedent("""
@@ -47,7 +49,8 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
 def test_signal_taken_by_another_thread_wakes_the_main_thread(sig: str) -> None:
-    done = subprocess.run([sys.executable, "-c", SCRIPT, sig], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", SCRIPT, sig], capture_output=True, text=True, timeout=120,
+                          preexec_fn=default_signals)
     assert done.returncode == 0, done.stderr
     words = done.stdout.split()
     assert words[:3] == ["interrupted", "by", sig], done.stdout

@@ -24,6 +24,7 @@ from bitpress.errors import ConfigError, OptionError, PassNotFoundError
 from bitpress.sweep.config import job_id, load_sweep_config, parse_sweep
 from bitpress.sweep.report import pareto_ids
 from bitpress.sweep.runner import ResultStore
+from bitpress.testing import default_signals
 
 # tiny models: every job quantizes and evaluates in well under a second (a child process adds ~1 s)
 MODEL = {"hidden": 64, "layers": 1, "heads": 4, "vocab": 256}
@@ -207,7 +208,7 @@ def test_interrupted_sweep_resumes(models: Path, tmp_path: Path, sig: signal.Sig
                        grid={"block_size": [16, 32, 64]}, eval=EVAL, output="out", threads=1)
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "bitpress", "sweep", str(cfg), "--jobs", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_signals)
     results = out / "results.jsonl"
     try:
         _wait(lambda: results.is_file() and results.read_bytes().count(b"\n") >= 1, 120, "the first row")

@@ -59,6 +59,7 @@ __all__ = [
     "assert_plain_onnx",
     "assert_plugin_loaded",
     "attrs",
+    "default_signals",
     "initializer_protos",
     "initializers",
     "int8_weights",
@@ -247,6 +248,19 @@ def run_python(code: str, *args: str, timeout: float, cwd: str | os.PathLike[str
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr
     return proc
+
+
+def default_signals() -> None:
+    """A ``preexec_fn`` for a subprocess a test stops with a signal: SIGINT, SIGTERM and SIGHUP at their default.
+
+    A signal ignored when bitpress starts stays ignored (``nohup`` ignores SIGHUP; a shell's background job
+    SIGINT), and the child inherits what the test runner ignores: without this, a suite started under
+    ``nohup`` would see its SIGHUP tests hang."""
+    import signal
+
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
 
 
 @contextlib.contextmanager
