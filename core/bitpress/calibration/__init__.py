@@ -20,5 +20,5 @@ companion files); never the passes, the workflow, the API façade or the command
 
 Importing this package imports nothing else; the submodules do what they need.
 
-May import: errors, genai, onnx, paths.
+May import: errors, genai, onnx, paths, quant.
 """

@@ -41,6 +41,7 @@ from bitpress.errors import ConfigError, UsageError
 from bitpress.genai.kvcache import CachePlan, cache_plan, is_past, kv_hints, window_feeds
 from bitpress.genai.package import find_genai_config
 from bitpress.onnx.inputs import InputSpec, input_specs, vocab_size
+from bitpress.quant.calibrated import TOKENS_PER_CHANNEL
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ log = logging.getLogger(__name__)
 DEFAULT_SAMPLES = 8
 #: the most samples :meth:`DataConfig.enough_for` picks by itself (16384 tokens of 128)
 MAX_AUTO_SAMPLES = 128
-#: calibration tokens a calibrated pass wants per channel of its widest input
-TOKENS_PER_CHANNEL = 2
 
 
 def samples_for(width: int, seq_len: int, batch: int = 1) -> int:

@@ -133,15 +133,15 @@ class _Solver:
                  progress: Callable[[int], None] | None, scale_only: bool = False) -> None:
         self.method, self.report, self.jobs, self.progress = method, report, max(1, jobs), progress
         self.scale_only = scale_only
-        self.thin: dict[str, tuple[str, int, int]] = {}  # inputs whose Hessian saw fewer tokens than channels
+        self.thin: dict[int, tuple[str, int, int]] = {}  # inputs whose Hessian saw fewer tokens than channels
 
     def solve(self, items: list[tuple[_Linear, LayerStats | None]]) -> None:
         """Quantize each linear with its input's statistics (None: the block solver, no statistics)."""
         if self.scale_only:
             return
         for lin, stats in items:
-            if stats is not None and stats.hessian is not None and stats.rows < stats.channels:
-                self.thin.setdefault(str(id(stats)), (lin.name, stats.rows, stats.channels))
+            if stats is not None and stats.rank_deficient:  # one entry per input (its linears share the stats)
+                self.thin.setdefault(id(stats), (lin.name, stats.rows, stats.channels))
         prepared: dict[tuple[int, BlockSpec], Any] = {}
         tasks: list[tuple[int, int, int]] = []  # (item, row0, row1)
         weights: list[np.ndarray] = []

@@ -31,6 +31,9 @@ from bitpress.quant.solver import BlockSpec, QuantizedBlocks
 
 log = logging.getLogger(__name__)
 
+#: calibration tokens a calibrated solve wants per channel of an input (fewer than 1: rank-deficient)
+TOKENS_PER_CHANNEL = 2
+
 #: the statistics a solver may ask for (``needs``)
 STATS_KINDS = frozenset({"hessian", "mean_abs", "mean_sq", "sample"})
 
@@ -59,6 +62,11 @@ class LayerStats:
             if a is not None:
                 return int(a.shape[-1])
         raise ValueError("the statistics hold nothing")
+
+    @property
+    def rank_deficient(self) -> bool:
+        """A Hessian from fewer tokens than channels (it cannot have full rank)."""
+        return self.hessian is not None and self.rows < self.hessian.shape[-1]
 
     def scaled(self, s: np.ndarray) -> LayerStats:
         """The statistics of ``x / s`` (``s`` float32 ``[K]``, positive): what the scaled weights see."""
@@ -95,7 +103,7 @@ def warn_rank_deficient(pass_name: str, thin: list[tuple[str, int, int]]) -> Non
     names = ", ".join(a for a, _, _ in thin[:4]) + (f" and {len(thin) - 4} more" if len(thin) > 4 else "")
     log.warning("%s: %d layer input(s) saw %d calibration tokens for up to %d channels (%s): their statistics are "
                 "rank-deficient and the solve may fit the calibration text; give at least %d tokens "
-                "(data: samples x seq_len)", pass_name, len(thin), tokens, widest, names, 2 * widest)
+                "(data: samples x seq_len)", pass_name, len(thin), tokens, widest, names, TOKENS_PER_CHANNEL * widest)
 
 
 def output_error(stats: LayerStats, delta: np.ndarray) -> float:

@@ -142,13 +142,6 @@ def _gather(h: np.ndarray, order: np.ndarray, out: np.ndarray) -> None:
         out[i : i + step] = h[order[i : i + step]][:, order]
 
 
-def _scale(m: np.ndarray, factor: np.float32) -> None:
-    """In place: ``m *= factor``, by chunks of rows."""
-    step = _chunk_rows(m.shape[-1])
-    for i in range(0, m.shape[0], step):
-        m[i : i + step] *= factor
-
-
 def _flip_upper(m: np.ndarray) -> None:
     """In place: ``m = triu(m[::-1, ::-1])`` (a row swap at a time: no ``[K, K]`` temporary)."""
     n = m.shape[0]
@@ -204,7 +197,7 @@ class GptqSolver:
             _gather(h, order, m)
             if self.settings.shrinkage:  # (1 - s) H + s diag(H): a convex mix of two PSD matrices stays PSD
                 d = m[idx, idx].copy()
-                _scale(m, np.float32(1.0 - self.settings.shrinkage))
+                m *= np.float32(1.0 - self.settings.shrinkage)  # in place: no [K, K] temporary
                 m[idx, idx] = d
             m[gone, :] = 0  # dead channels isolated: where they sit in the order changes nothing
             m[:, gone] = 0

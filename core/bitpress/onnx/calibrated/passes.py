@@ -163,8 +163,7 @@ class CalibratedPass(WeightOnlyPass):
                 for j, stage in enumerate(splan.stages):
                     t0 = time.perf_counter()
                     stats = self._observe(model, splan, j, store, n, needs, substitutes)
-                    thin += [(a, st.rows, st.hessian.shape[0]) for a, st in stats.items()
-                             if st.hessian is not None and st.rows < st.hessian.shape[0]]
+                    thin += [(a, st.rows, st.channels) for a, st in stats.items() if st.rank_deficient]
                     t1 = time.perf_counter()
                     groups = [g for g in p.groups if done_at[g.weight] == j]
                     self._solve_stage(model, groups, acts_of, stats, store, n, scaler, solvers, writer, report,
