@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # plugins that need nothing beyond the host's own dependencies (ort: ONNX Runtime's quantizer)
-NATIVE := rtn hqq kquant $(foreach p,ort gptq awq gguf,$(if $(wildcard plugins/$(p)/pyproject.toml),$(p)))
+NATIVE := rtn hqq kquant $(foreach p,ort gptq awq gguf rotate,$(if $(wildcard plugins/$(p)/pyproject.toml),$(p)))
 # plugins whose vendor toolkit lives in an environment of its own (bitpress env create NAME):
 # installed here without their toolkit extra, so `passes list` shows them with the install hint.
 # Only those present in the checkout.

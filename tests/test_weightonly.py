@@ -488,3 +488,28 @@ def test_transposed(shape):
     t = weightonly.transposed(a)
     assert t.flags.c_contiguous
     np.testing.assert_array_equal(t, a.T)
+
+
+def test_node_marked_keep_float_stays_float(tmp_path):
+    """A MatMul with the ``bitpress.keep_float`` metadata (QuaRot's online product) is skipped, with its reason."""
+    from bitpress.models.onnx_model import OnnxModel
+    from bitpress.onnx.graph import KEEP_FLOAT, keeps_float
+
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w2")
+    first = helper.make_node("MatMul", ["x", "w1"], ["h"], name="first")
+    second = helper.make_node("MatMul", ["h", "w2"], ["y"], name="second")
+    entry = second.metadata_props.add()
+    entry.key, entry.value = KEEP_FLOAT, "an online rotation"
+    graph = helper.make_graph([first, second], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [w1, w2])
+    src = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), src)
+    assert keeps_float(second) == "an online rotation" and keeps_float(first) is None
+    plan = weightonly.plan(OnnxModel.load(src), weightonly.WeightOnlyOptions(block_size=32))
+    assert [g.weight for g in plan.groups] == ["w1"]
+    assert plan.skipped["second"] == "an online rotation"
+    bitpress.quantize(src, tmp_path / "q.onnx", algorithm="rtn", precision="int4", options={"block_size": 32})
+    assert [n.name for n in nodes(tmp_path / "q.onnx", "MatMul")] == ["second"]
+    assert len(nodes(tmp_path / "q.onnx", "MatMulNBits")) == 1

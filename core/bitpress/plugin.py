@@ -29,6 +29,7 @@ What it offers, by topic (see ``docs/writing-a-plugin.md``):
   ``ExportError``; ``summarize_names`` keeps a list of names in a message short.
 * **Models and ONNX helpers.** ``ModelHandle`` (the base of every model handle), ``OnnxModel``;
   ``iter_graphs``, ``iter_tensors``, ``is_external``, ``tensor_nbytes``, ``MS_DOMAIN``;
+  ``KEEP_FLOAT`` and ``keeps_float`` (a node marked to keep its weight in float: quantizers skip it);
   ``save_onnx``, ``SaveOptions``, ``SINGLE_FILE_LIMIT``.
 * **Block solvers.** ``BlockSolver``, ``BlockSpec``, ``QuantizedBlocks``, ``dequantize``,
   ``check_block_size``; the optional fast path ``PackingKernel``, ``PackedBlocks``.
@@ -93,7 +94,7 @@ if TYPE_CHECKING:  # the real imports, for type checkers and IDEs; at run time n
     from bitpress.onnx.calibrated.passes import rounding_solver
     from bitpress.onnx.correction import Fix as CorrectionFix
     from bitpress.onnx.correction import insert_corrections, split_zero_points
-    from bitpress.onnx.graph import MS_DOMAIN
+    from bitpress.onnx.graph import KEEP_FLOAT, MS_DOMAIN, keeps_float
     from bitpress.onnx.kernels import bnb4_path, graph_paths, resolve_accuracy_level
     from bitpress.onnx.layout import MatMulNBitsTensors, to_matmul_nbits
     from bitpress.onnx.qdq_nbits import QdqConversion, convert_qdq_to_nbits
@@ -161,6 +162,8 @@ _EXPORTS: dict[str, str] = {
     "ModelHandle": "bitpress.models.base",
     "OnnxModel": "bitpress.models.onnx_model",
     "MS_DOMAIN": "bitpress.onnx.graph",
+    "KEEP_FLOAT": "bitpress.onnx.graph",
+    "keeps_float": "bitpress.onnx.graph",
     "iter_graphs": "bitpress.onnx.tensors",
     "iter_tensors": "bitpress.onnx.tensors",
     "is_external": "bitpress.onnx.tensors",
@@ -257,6 +260,7 @@ __all__ = [
     "BNB4_BLOCK_SIZES",
     "BNB4_QUANT_TYPES",
     "FP4_CODEBOOK",
+    "KEEP_FLOAT",
     "MS_DOMAIN",
     "NF4_CODEBOOK",
     "SINGLE_FILE_LIMIT",
@@ -335,6 +339,7 @@ __all__ = [
     "is_external",
     "iter_graphs",
     "iter_tensors",
+    "keeps_float",
     "option",
     "output_error",
     "parse_options",

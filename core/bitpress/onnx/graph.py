@@ -9,6 +9,16 @@ import onnx
 from bitpress.onnx.tensors import iter_graphs
 
 MS_DOMAIN = "com.microsoft"
+#: a node ``metadata_props`` key: the node's weight stays float; the value says why (quantizers skip it)
+KEEP_FLOAT = "bitpress.keep_float"
+
+
+def keeps_float(node: onnx.NodeProto) -> str | None:
+    """Why ``node`` must stay float (its :data:`KEEP_FLOAT` metadata), or None."""
+    for prop in node.metadata_props:
+        if prop.key == KEEP_FLOAT:
+            return prop.value or "marked to stay float"
+    return None
 
 
 def used_names(graph: onnx.GraphProto) -> set[str]:

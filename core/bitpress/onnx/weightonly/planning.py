@@ -17,7 +17,7 @@ from onnx import helper
 
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx import kernels, layout
-from bitpress.onnx.graph import consumers, producers, used_names
+from bitpress.onnx.graph import consumers, keeps_float, producers, used_names
 from bitpress.options import option
 from bitpress.quant.solver import check_block_size
 from bitpress.selection import NameMatcher, short
@@ -153,6 +153,10 @@ def plan(model: OnnxModel, opts: WeightOnlyOptions) -> Plan:
 
     for node in graph.node:
         if node.domain not in ("", "ai.onnx") or node.op_type not in opts.op_types:
+            continue
+        kept = keeps_float(node)
+        if kept:
+            skipped[node.name or node.output[0]] = kept
             continue
         use, weight, why = _classify(node, inits, prods, cons)
         if use is None:

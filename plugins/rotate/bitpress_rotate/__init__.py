@@ -1,0 +1,18 @@
+"""bitpress-rotate: QuaRot, an orthogonal rotation of a decoder that leaves its function unchanged
+and spreads its weights' outliers, so that a quantizer run after it (``gptq``, ``rtn``, ...) loses less.
+
+:mod:`bitpress_rotate.matrices` builds the rotations (randomized Hadamard matrices of the widths
+models use, or random orthogonal ones), :mod:`bitpress_rotate.stream` finds the residual stream of
+an ONNX decoder and the weights around it, :mod:`bitpress_rotate.rotate` applies the rotation.
+"""
+
+from __future__ import annotations
+
+from bitpress.plugin import hookimpl
+
+
+@hookimpl
+def bitpress_register_passes(register):
+    from bitpress_rotate.passes import QuarotPass
+
+    register(QuarotPass)
