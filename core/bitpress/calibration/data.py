@@ -105,13 +105,15 @@ class DataConfig:
 
 
 def iter_feeds(
-    model: onnx.ModelProto, config: DataConfig, model_dir: Path | None = None, *, root: Path | None = None
+    model: onnx.ModelProto, config: DataConfig, model_dir: Path | None = None, *, root: Path | None = None,
+    warn: bool = True,
 ) -> Iterator[dict[str, np.ndarray]]:
     """Yield ``config.count`` feeds for ONNX Runtime.
 
     ``model_dir``: the model's folder (its tokenizer.json and genai_config.json); ``root``: the
     package folder holding it (an ONNX Runtime GenAI folder whose model is in a sub-folder), where
-    those files are looked for next. Nothing above ``root`` (or ``model_dir``) is read.
+    those files are looked for next. Nothing above ``root`` (or ``model_dir``) is read. ``warn``: say
+    that random inputs are for smoke tests (a caller that asked for them on purpose says so itself).
     """
     src = config.source
     specs = input_specs(model)
@@ -121,7 +123,7 @@ def iter_feeds(
         plan = cache_plan(model, kv_hints(genai), specs=specs)
     plain = [s for s in specs if not is_past(s)]
     if src == "random":
-        log.warning("calibrating on random inputs: fine for smoke tests, not for real quality")
+        (log.warning if warn else log.debug)("calibrating on random inputs: fine for smoke tests, not for real quality")
         for feed in _random(plain, config, vocab_size(model)):
             yield plan.fill(feed)
         return

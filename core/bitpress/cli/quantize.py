@@ -21,6 +21,9 @@ def add_quantize(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a pass option; repeatable (see `passes show NAME`)")
     _add_run_args(q)
+    q.add_argument("--bpw", type=float, metavar="BITS",
+                   help="a bits-per-weight budget, e.g. 4.5: each weight gets the bits (4/8) and block size "
+                        "(128/64/32) that lose least, measured on --data (the option bpw; --plan shows the choice)")
     q.add_argument("--components", nargs="+", help="sub-models of a folder to quantize (default: decoder)")
     q.add_argument("--save-config", type=Path, metavar="FILE",
                    help="also write the equivalent workflow config (YAML, or JSON for a .json name): "
@@ -78,11 +81,11 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         from bitpress.workflow.plan import plan_quantize
 
         return _show_plan(plan_quantize(args.model, algorithm=args.algorithm, precision=args.precision,
-                                        options=parse_kv(args.option), components=args.components,
-                                        strict=False), args.json)
+                                        options=_options(args), components=args.components,
+                                        strict=False, data=_data(args)), args.json)
     result = quantize(
         args.model, args.output, algorithm=args.algorithm, precision=args.precision,
-        options=parse_kv(args.option), strict=False, components=args.components, jobs=args.jobs,
+        options=_options(args), strict=False, components=args.components, jobs=args.jobs,
         overwrite=args.overwrite, external_data=args.external_data,
         max_shard_size=args.max_shard_size, check=not args.no_check, data=_data(args), progress=progress,
         env_timeout=args.env_timeout, save_config=args.save_config, isolate=args.isolate,
@@ -98,7 +101,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.plan:
         from bitpress.workflow.plan import plan_run
 
-        return _show_plan(plan_run(args.config), args.json)
+        return _show_plan(plan_run(args.config, data=_data(args)), args.json)
     # the flags override the config's settings; those not given leave them as the config says
     result = run(
         args.config, overwrite=True if args.overwrite else None, jobs=args.jobs, external_data=args.external_data,
@@ -107,6 +110,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
     report(result, args.json, args.show_weights)
     return EXIT_OK
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--option`` pairs, and ``--bpw`` as the option ``bpw``."""
+    options = parse_kv(args.option)
+    if args.bpw is not None:
+        if "bpw" in options:
+            raise UsageError("the budget is given twice (--bpw and --option bpw=...); give it once")
+        options["bpw"] = args.bpw
+    return options
 
 
 def _executor(args: argparse.Namespace) -> Any:

@@ -122,9 +122,9 @@ def stats_model(model: OnnxModel, wanted: list[str]) -> tuple[bytes, dict[str, t
         new_outputs += [sq, shape]
     del graph.output[:]
     graph.output.extend(onnx.ValueInfoProto(name=name) for name in new_outputs)
-    _prune(graph)
+    prune(graph)
     gather_without_transpose(graph)
-    base = _relocate(proto, model)
+    base = relocate(proto, model)
     return proto.SerializeToString(), outputs, base
 
 
@@ -140,7 +140,7 @@ def _subgraph_inputs(node: onnx.NodeProto) -> set[str]:
     return names
 
 
-def _prune(graph: onnx.GraphProto) -> None:
+def prune(graph: onnx.GraphProto) -> None:
     """Drop the nodes and initializers no graph output depends on (the LM head, the cache outputs)."""
     needed = {o.name for o in graph.output}
     keep: list[onnx.NodeProto] = []
@@ -222,7 +222,7 @@ def _ints(node: onnx.NodeProto, name: str) -> Any:
     return None
 
 
-def _relocate(proto: onnx.ModelProto, model: OnnxModel) -> Path:
+def relocate(proto: onnx.ModelProto, model: OnnxModel) -> Path:
     """Point every external tensor at its file relative to the model's folder (resolved).
 
     Locations are the resolver's (checked to stay in the folder when the model was loaded); a

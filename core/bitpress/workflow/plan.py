@@ -88,7 +88,7 @@ def plan_workflow(wf: Workflow, registry: Registry | None = None) -> PlanResult:
                 elif kind not in pass_.model_kinds or not isinstance(target, OnnxModel):
                     entry.reason = f"{pass_.name} does not accept {kind} models"
                 else:
-                    entry.report = planner(target)
+                    entry.report = planner(target, data=wf.data)
                     if i > 0:
                         entry.notes.append("planned on the input model: --plan does not run the earlier passes")
                 steps.append(entry)
@@ -101,25 +101,35 @@ def plan_workflow(wf: Workflow, registry: Registry | None = None) -> PlanResult:
 
 def plan_quantize(
     model: str | Path, *, algorithm: str, precision: str | None = None, options: dict[str, Any] | None = None,
-    components: list[str] | None = None, registry: Registry | None = None, strict: bool = True,
+    components: list[str] | None = None, registry: Registry | None = None, strict: bool = True, data: Any = None,
 ) -> PlanResult:
     """``bitpress quantize --plan``: the plan of the pass :func:`bitpress.quantize` would run.
 
-    ``strict``: as :func:`bitpress.quantize`'s (False: ``options`` are ``--option`` strings).
+    ``strict``: as :func:`bitpress.quantize`'s (False: ``options`` are ``--option`` strings). ``data``: the
+    calibration data (``--data``), on which a ``bpw`` budget measures each weight's sensitivity.
     """
+    from bitpress.workflow.config import _data
+
     registry = registry or get_registry()
     path = Path(model)
     cls = select_pass(registry, algorithm, precision, path)
     precision = canonical_precision(cls, precision)
     step = PassStep(cls.from_config(options or {}, precision, strict=strict), f"{algorithm}/{precision or '-'}")
-    wf = Workflow(input=path, output=path.with_name(path.name + ".plan"), steps=[step], components=components)
+    wf = Workflow(input=path, output=path.with_name(path.name + ".plan"), steps=[step], components=components,
+                  data=_data(data))
     return plan_workflow(wf, registry)
 
 
-def plan_run(config: dict[str, Any] | str | Path, *, registry: Registry | None = None) -> PlanResult:
-    """``bitpress run --plan``: the plan of every pass of a workflow config."""
+def plan_run(config: dict[str, Any] | str | Path, *, registry: Registry | None = None, data: Any = None) -> PlanResult:
+    """``bitpress run --plan``: the plan of every pass of a workflow config (``data``: ``--data``, over the
+    config's ``data:``)."""
+    from bitpress.workflow.config import _data
+
     config = dict(config) if isinstance(config, dict) else load_config(Path(config))
-    return plan_workflow(build_workflow(config, registry), registry)
+    wf = build_workflow(config, registry)
+    if data is not None:
+        wf.data = _data(data)
+    return plan_workflow(wf, registry)
 
 
 # -- text ------------------------------------------------------------------------------------------

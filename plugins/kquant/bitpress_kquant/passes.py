@@ -45,6 +45,11 @@ class Q4KMOptions(KQuantOptions):
         None, "number of decoder layers for llama.cpp's use_more_bits rule (default: inferred from names)"
     )
 
+    def validate(self) -> None:
+        super().validate()
+        if self.bpw is not None:
+            raise ValueError("q4_k_m is llama.cpp's fixed recipe and takes no bpw budget; use kquant with bpw")
+
 
 class Q4KMPass(KQuantPass):
     """Q4_K_M: int4 k-quant, with int8 for the tensors llama.cpp's recipe protects.
@@ -60,7 +65,7 @@ class Q4KMPass(KQuantPass):
     Options: ClassVar[type] = Q4KMOptions
     aliases: ClassVar[tuple[str, ...]] = ()
 
-    def weight_plan(self, model: Any) -> Plan:
+    def weight_plan(self, model: Any, data: Any = None) -> Plan:
         """The plan with the recipe's widths: the real run and ``--plan`` both use it.
 
         llama.cpp gives the output head Q6_K (Q8_0 when its rows are not a multiple of 256

@@ -72,7 +72,7 @@ class Bnb4Pass(WeightOnlyPass):
     aliases: ClassVar[tuple[str, ...]] = ("OnnxBnb4Quantization",)
     distributes: ClassVar[bool] = False  # its own writer, on this machine's threads
 
-    def weight_plan(self, model: Any) -> Plan:
+    def weight_plan(self, model: Any, data: Any = None) -> Plan:
         from bitpress_rtn.bnb4_writer import bnb4_plan
 
         return bnb4_plan(model, self.options)

@@ -93,7 +93,7 @@ class CalibratedPass(WeightOnlyPass):
         if context.data is None:
             raise UsageError(f"{self.name} needs calibration data: give --data (a .txt file with --tokenizer, "
                              "a .npz file or folder, or random)")
-        p = self.weight_plan(model)
+        p = self.planned(model, context.data)
         report = planned_report(model, p, self.estimate(), self.kernel())
         log_plan(report, p, model)
         report.planned = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import tempfile
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -158,13 +159,48 @@ class WeightOnlyPass(Pass):
         """An optional fused quantize-and-pack kernel giving exactly the solver's answer, faster."""
         return None
 
-    def weight_plan(self, model: OnnxModel) -> Plan:
+    def weight_plan(self, model: OnnxModel, data: Any = None) -> Plan:
         """What this pass will quantize, and how: the plan the run carries out and ``--plan`` shows.
 
+        ``data``: the calibration data (``--data``), which a ``bpw`` budget measures sensitivity on.
         Presets that pick settings per weight (``q4_k_m``) override this, never :meth:`run`, so
         the dry run and the real one cannot disagree.
         """
-        return plan(model, self.options)
+        return self.budgeted(model, plan(model, self.options), data)
+
+    def planned(self, model: OnnxModel, data: Any = None) -> Plan:
+        """:meth:`weight_plan` with the calibration data, also for a plugin's override written before it took
+        ``data`` (``weight_plan(self, model)``)."""
+        if "data" in inspect.signature(self.weight_plan).parameters:
+            return self.weight_plan(model, data)
+        return self.weight_plan(model)
+
+    def budgeted(self, model: OnnxModel, p: Plan, data: Any = None) -> Plan:
+        """``p`` with each weight's layout chosen within the ``bpw`` budget (unchanged without one)."""
+        budget = getattr(self.options, "bpw", None)
+        if budget is None or not p.groups:
+            return p
+        from bitpress.onnx.weightonly.budget import allocate
+        from bitpress.selection import NameMatcher
+
+        user = NameMatcher(list(self.options.overrides), what="overrides key")
+        fixed = {g.weight for g in p.groups if user and any(user.matches(u.node.name, g.weight) for u in g.uses)}
+
+        def measure(layouts: dict[str, tuple[int, int]]) -> dict[str, float]:
+            from bitpress.calibration.data import DataConfig, iter_feeds
+            from bitpress.onnx.weightonly.sensitivity import measure
+
+            config = DataConfig.from_value(data if data is not None else "random")
+            config = dataclasses.replace(config, samples=self.options.bpw_samples)
+            if data is None:
+                log.info("%s: bpw: sensitivity measured on %d samples of random token ids; --data (a text like "
+                         "the model's use) measures it where it matters", model.source.name, config.count)
+            feeds = iter_feeds(model.proto, config, model.source.parent, root=getattr(model, "package_root", None),
+                               warn=data is not None)
+            return measure(model, p.groups, layouts, feeds)
+
+        allocate(model, p, float(budget), self.estimate(), self.kernel(), measure=measure, fixed=fixed)
+        return p
 
     def estimate(self) -> Estimate:
         """The cost of each planned weight's layout (bytes, zero-point kind, ops written)."""
@@ -174,11 +210,12 @@ class WeightOnlyPass(Pass):
         """The ONNX Runtime kernel each planned weight will run on, on the options' target."""
         return nbits_kernel(self.options, self.float_zero_points())
 
-    def plan_report(self, model: OnnxModel) -> Report:
-        """A dry run: the per-weight table of what :meth:`run` would do; reads no weight data."""
+    def plan_report(self, model: OnnxModel, data: Any = None) -> Report:
+        """A dry run: the per-weight table of what :meth:`run` would do; reads no weight data (a ``bpw``
+        budget measures the weights' sensitivity on ``data``)."""
         if not isinstance(model, OnnxModel):
             raise QuantizationError(f"{self.name} quantizes ONNX models, got {model.kind}")
-        p = self.weight_plan(model)
+        p = self.planned(model, data)
         report = planned_report(model, p, self.estimate(), self.kernel())
         for warning in p.unmatched:
             log.warning("%s: %s", model.source.name, warning)
@@ -188,7 +225,7 @@ class WeightOnlyPass(Pass):
         from bitpress.calibration.data import DataConfig, iter_feeds
         from bitpress.onnx.activations import channel_importance
 
-        p = p if p is not None else self.weight_plan(model)
+        p = p if p is not None else self.planned(model, context.data)
         readers = {g.weight: [u.node.input[0] for u in g.uses if not u.is_gather] for g in p.groups}
         readers = {w: acts for w, acts in readers.items() if acts}
         feeds = iter_feeds(model.proto, DataConfig.from_value(context.data), model.source.parent,
@@ -204,7 +241,7 @@ class WeightOnlyPass(Pass):
     def run(self, model: Any, context: PassContext) -> Any:
         if not isinstance(model, OnnxModel):
             raise QuantizationError(f"{self.name} quantizes ONNX models, got {model.kind}")
-        p = self.weight_plan(model)
+        p = self.planned(model, context.data)
         importance = None
         if self.uses_importance and context.data is not None:
             importance = self._importance(model, context, p)

@@ -49,9 +49,21 @@ class WeightOnlyOptions(kernels.TargetOptions):
     gather_min_rows: int = option(
         64, "Gather tables with fewer rows stay float (token-type tables: no size gain, error on every token)"
     )
+    bpw: float | None = option(
+        None, "a bits-per-weight budget (--bpw): each weight gets the bits (4/8) and block size (128/64/32) that "
+        "lose least within it, scales and zero points counted, a tied table once; overrides stay as given"
+    )
+    bpw_samples: int = option(
+        2, "samples of the calibration data on which bpw measures each weight's sensitivity (one run per weight "
+        "and sample)"
+    )
 
     def validate(self) -> None:
         check_bits_block(self.bits, self.block_size, "")
+        if self.bpw is not None and not (isinstance(self.bpw, int | float) and 2.0 < float(self.bpw) <= 16.0):
+            raise ValueError(f"bpw must be a number of bits per weight above 2 and at most 16, got {short(self.bpw)}")
+        if not isinstance(self.bpw_samples, int) or isinstance(self.bpw_samples, bool) or self.bpw_samples < 1:
+            raise ValueError(f"bpw_samples must be a positive integer, got {short(self.bpw_samples)}")
         bad = sorted(set(self.op_types) - {"MatMul", "Gemm", "Gather"})
         if bad:
             raise ValueError(f"op_types {bad} are not supported; use MatMul, Gemm, Gather")
