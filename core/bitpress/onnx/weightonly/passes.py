@@ -186,7 +186,7 @@ class WeightOnlyPass(Pass):
         user = NameMatcher(list(self.options.overrides), what="overrides key")
         fixed = {g.weight for g in p.groups if user and any(user.matches(u.node.name, g.weight) for u in g.uses)}
 
-        def measure(layouts: dict[str, tuple[int, int]]) -> dict[str, float]:
+        def sensitivity(layouts: dict[str, tuple[int, int]]) -> dict[str, float]:
             from bitpress.calibration.data import DataConfig, iter_feeds
             from bitpress.onnx.weightonly.sensitivity import measure
 
@@ -199,7 +199,7 @@ class WeightOnlyPass(Pass):
                                warn=data is not None)
             return measure(model, p.groups, layouts, feeds)
 
-        allocate(model, p, float(budget), self.estimate(), self.kernel(), measure=measure, fixed=fixed)
+        allocate(model, p, float(budget), self.estimate(), self.kernel(), measure=sensitivity, fixed=fixed)
         return p
 
     def estimate(self) -> Estimate:
