@@ -5,8 +5,9 @@ the first windows of gensim's ``lee_background.cor`` (as ``bench/quality.py``). 
 documentation (``pydoc_data.topics``, out of domain) and the end of the Lee text (``bench/quality.py``'s
 calibration text, in domain), 32 windows of 128 tokens each. GPTQ with the published defaults
 (``damp_percent`` 0.01, no shrinkage: AutoGPTQ's, llm-compressor's, Olive's) and with bitpress's
-(``damp_percent`` 0.1, ``shrinkage`` 0.6); AWQ with its defaults; QuaRot (``quarot``, randomized
-Hadamard, seed 0) followed by RTN and by GPTQ. Writes ``docs/calibration-text.md``.
+(``damp_percent`` 0.1, ``shrinkage`` 0.6), with and without the model's own text (half of the samples,
+bitpress's default beside a text), and on the model's own text alone; AWQ with its defaults; QuaRot
+(``quarot``, randomized Hadamard, seed 0) followed by RTN and by GPTQ. Writes ``docs/calibration-text.md``.
 
     make -C bench calibration-text
 """
@@ -31,20 +32,27 @@ OUT = ROOT / "docs" / "calibration-text.md"
 SAMPLES, SEQ_LEN, WINDOWS = 32, 128, 16
 BASE = {"block_size": 128, "is_symmetric": False}
 PUBLISHED = {**BASE, "damp_percent": 0.01, "shrinkage": 0.0}
-#: (label, algorithm, options, calibration text key or None, rotated first with QuaRot)
-ROWS: list[tuple[str, str, dict[str, Any], str | None, bool]] = [
-    ("rtn", "rtn", BASE, None, False),
-    ("gptq, published defaults", "gptq", PUBLISHED, "python docs", False),
-    ("gptq, bitpress defaults", "gptq", BASE, "python docs", False),
-    ("gptq, published defaults", "gptq", PUBLISHED, "lee (in domain)", False),
-    ("gptq, bitpress defaults", "gptq", BASE, "lee (in domain)", False),
-    ("awq", "awq", BASE, "python docs", False),
-    ("awq", "awq", BASE, "lee (in domain)", False),
-    ("quarot + rtn", "rtn", BASE, None, True),
-    ("quarot + gptq, published defaults", "gptq", PUBLISHED, "python docs", True),
-    ("quarot + gptq, bitpress defaults", "gptq", BASE, "python docs", True),
-    ("quarot + gptq, published defaults", "gptq", PUBLISHED, "lee (in domain)", True),
-    ("quarot + gptq, bitpress defaults", "gptq", BASE, "lee (in domain)", True),
+#: the model's own text among the calibration samples: None = the pass's default (half, beside a text),
+#: 0 = the text alone, "all" = only the model's own text (``source: generated``)
+OWN_DEFAULT, TEXT_ONLY, OWN_ONLY = None, 0, "all"
+#: (label, algorithm, options, calibration text key or None, own text, rotated first with QuaRot)
+ROWS: list[tuple[str, str, dict[str, Any], str | None, Any, bool]] = [
+    ("rtn", "rtn", BASE, None, TEXT_ONLY, False),
+    ("gptq, published defaults", "gptq", PUBLISHED, "python docs", TEXT_ONLY, False),
+    ("gptq, bitpress defaults, text only", "gptq", BASE, "python docs", TEXT_ONLY, False),
+    ("gptq, bitpress defaults", "gptq", BASE, "python docs", OWN_DEFAULT, False),
+    ("gptq, bitpress defaults", "gptq", BASE, "model's own text only", OWN_ONLY, False),
+    ("gptq, published defaults", "gptq", PUBLISHED, "lee (in domain)", TEXT_ONLY, False),
+    ("gptq, bitpress defaults, text only", "gptq", BASE, "lee (in domain)", TEXT_ONLY, False),
+    ("gptq, bitpress defaults", "gptq", BASE, "lee (in domain)", OWN_DEFAULT, False),
+    ("awq, text only", "awq", BASE, "python docs", TEXT_ONLY, False),
+    ("awq", "awq", BASE, "python docs", OWN_DEFAULT, False),
+    ("awq", "awq", BASE, "lee (in domain)", OWN_DEFAULT, False),
+    ("quarot + rtn", "rtn", BASE, None, TEXT_ONLY, True),
+    ("quarot + gptq, published defaults", "gptq", PUBLISHED, "python docs", TEXT_ONLY, True),
+    ("quarot + gptq, bitpress defaults", "gptq", BASE, "python docs", OWN_DEFAULT, True),
+    ("quarot + gptq, published defaults", "gptq", PUBLISHED, "lee (in domain)", TEXT_ONLY, True),
+    ("quarot + gptq, bitpress defaults", "gptq", BASE, "lee (in domain)", OWN_DEFAULT, True),
 ]
 
 
@@ -67,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     inputs = quality.locate({"smollm2"})
     src, text = inputs.smollm2, inputs.text
     lee = quality.calibration_text(text, quality.sentences(text, quality.SENTENCES), WINDOWS * SEQ_LEN)
-    texts = {"python docs": python_docs(WORK / "python-docs.txt"), "lee (in domain)": lee}
+    texts = {"python docs": python_docs(WORK / "python-docs.txt"), "lee (in domain)": lee,
+             "model's own text only": None}
     rotated = WORK / "rotated"
     shutil.rmtree(rotated, ignore_errors=True)
     t0 = time.perf_counter()
@@ -75,11 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     rotate_seconds = time.perf_counter() - t0
     results = []
     reference = None
-    for label, algorithm, options, cal, rotate in ROWS:
+    for label, algorithm, options, cal, own, rotate in ROWS:
         out = WORK / "out"
         shutil.rmtree(out, ignore_errors=True)
-        data = None if cal is None else DataConfig(source=str(texts[cal]), tokenizer=str(src / "tokenizer.json"),
-                                                   samples=SAMPLES, seq_len=SEQ_LEN)
+        data = None
+        if cal is not None:
+            source = "generated" if own == OWN_ONLY else str(texts[cal])
+            data = DataConfig(source=source, tokenizer=str(src / "tokenizer.json"), samples=SAMPLES,
+                              seq_len=SEQ_LEN, generated=None if own == OWN_ONLY else own)
         t0 = time.perf_counter()
         bitpress.quantize(rotated if rotate else src, out, algorithm=algorithm, precision="int4",
                           options=dict(options), data=data)
@@ -112,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         "Lee text (never the measured windows). **recovered** is the share of RTN's perplexity increase the row "
         "takes back. Published defaults: `damp_percent` 0.01 and the measured Hessian (AutoGPTQ, llm-compressor, "
         "Olive); bitpress's: `damp_percent` 0.1, `shrinkage` 0.6; AWQ with its defaults (grid of 20 scales, "
-        "clipping) ([calibrated.md](calibrated.md)). **quantize s**: wall time of `bitpress.quantize` on this "
+        "clipping) ([calibrated.md](calibrated.md)). **The model's own text**: bitpress's calibrated passes take "
+        f"half of their samples ({SAMPLES // 2} of {SAMPLES}) from text the float model samples itself, beside the "
+        "given text ([calibrated.md](calibrated.md)); *text only* rows turn that off (`generated: 0`), as do the "
+        "published-defaults rows; *model's own text only* is `source: generated`. **quantize s**: wall time of "
+        "`bitpress.quantize` on this "
         f"machine's {os.cpu_count()} cores with whatever else ran (load average {load:.1f} at the end): compare "
         "rows with each other (a QuaRot row includes the rotation's own "
         f"{rotate_seconds:.0f} s). The perplexities do not depend on the load. QuaRot rows: `quarot` "

@@ -6,7 +6,9 @@ What it owns:
   for ONNX Runtime (:class:`~bitpress.calibration.data.DataConfig`,
   :func:`~bitpress.calibration.data.iter_feeds`), a KV cache filled where the model has one;
 * :mod:`~bitpress.calibration.text`: a text as windows of tokens (the tokenizer found beside the
-  model, BOS when it asks), shared with ``bitpress eval``'s perplexity.
+  model, BOS when it asks), shared with ``bitpress eval``'s perplexity;
+* :mod:`~bitpress.calibration.generate`: windows the ONNX model writes itself (``generated``),
+  sampled in ONNX Runtime with the model's KV cache.
 
 The statistics collected on these feeds stay with the graphs they are collected from:
 :mod:`bitpress.onnx.activations` (per-channel importance), :mod:`bitpress.onnx.calibrated`

@@ -18,6 +18,13 @@ the model needs one (a sliding-window or static cache), as ``bitpress eval`` fee
 (:mod:`bitpress.genai.kvcache`; head counts and window sizes from ``genai_config.json``). Text
 becomes windows of tokens in :mod:`bitpress.calibration.text`.
 
+**The model's own text** (``generated``): windows the model being quantized writes itself, sampled
+from its full next-token distribution (:mod:`bitpress.calibration.generate`), either all of them
+(``source: generated``) or ``generated`` of the ``samples`` beside a text's windows. Unset, a
+calibrated pass (GPTQ, AWQ) given a text takes half of its samples from the model
+(:meth:`DataConfig.with_own_text`): a text unlike the one the model will see then cannot pull the
+solver's error into directions that text never exercises; ``generated: 0`` keeps to the text.
+
 How many samples: ``samples`` when given; else a calibrated pass (GPTQ, AWQ, on ONNX and on
 Hugging Face models) takes enough for its widest layer input (:meth:`DataConfig.enough_for`:
 twice as many tokens as that input has channels, 8 to 128 samples), and everything else
@@ -31,7 +38,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import onnx
@@ -49,6 +56,10 @@ log = logging.getLogger(__name__)
 DEFAULT_SAMPLES = 8
 #: the most samples :meth:`DataConfig.enough_for` picks by itself (16384 tokens of 128)
 MAX_AUTO_SAMPLES = 128
+#: ``source`` for windows the model writes itself, every one of them
+GENERATED = "generated"
+#: the suffixes read as text
+TEXT_SUFFIXES = (".txt", ".cor", ".md", ".text")
 
 
 def samples_for(width: int, seq_len: int, batch: int = 1) -> int:
@@ -60,10 +71,11 @@ def samples_for(width: int, seq_len: int, batch: int = 1) -> int:
 
 @dataclass
 class DataConfig:
-    """Where calibration inputs come from; ``source`` is ``random``, a .npz file/folder or a .txt.
+    """Where calibration inputs come from; ``source`` is ``random``, a .npz file/folder, a .txt or ``generated``.
 
     ``samples``: how many; None (not given) is :data:`DEFAULT_SAMPLES`, or what a calibrated pass
-    needs (:meth:`enough_for`)."""
+    needs (:meth:`enough_for`). ``generated``: how many of them the model writes itself (with a text
+    source); None (not given) is 0, or half for a calibrated pass (:meth:`with_own_text`)."""
 
     source: str = "random"
     samples: int | None = None
@@ -71,6 +83,51 @@ class DataConfig:
     batch: int = 1
     tokenizer: str | None = None
     seed: int = 0
+    generated: int | None = None
+    #: ``generated`` is a pass's default (:meth:`with_own_text`), not the user's: a model that cannot write
+    #: text (an encoder, a tokenizer without a start token) is calibrated on the text alone instead of refused.
+    #: Not a field: configs (and ``asdict`` copies sent to plugin environments) never carry it.
+    fallback: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.generated is None:
+            return
+        if isinstance(self.generated, bool) or not isinstance(self.generated, int) or self.generated < 0:
+            raise ConfigError(f"data: generated must be a whole number of windows >= 0, got {self.generated!r}")
+        if self.generated and not self.is_text and self.source != GENERATED:
+            raise ConfigError(f"data: generated mixes the model's own text into a text's windows; {self.source!r} is "
+                              "not a text (use source: generated for the model's text alone)")
+        if self.samples is not None and self.generated > self.samples:
+            raise ConfigError(f"data: generated ({self.generated}) is more than samples ({self.samples}): it "
+                              "counts the samples the model writes itself")
+
+    @property
+    def is_text(self) -> bool:
+        return Path(self.source).suffix in TEXT_SUFFIXES
+
+    @property
+    def own(self) -> int:
+        """How many of the :attr:`count` samples the model writes itself."""
+        if self.source == GENERATED:
+            return self.count
+        return min(self.generated or 0, self.count)
+
+    def with_own_text(self, who: str) -> DataConfig:
+        """This config with half of the samples the model's own when ``generated`` was not given and the
+        source is a text (a calibrated pass's default, ``who``'s; the windows' writer logs it)."""
+        if self.generated is not None or not self.is_text:
+            return self
+        log.debug("%s: half of the calibration samples from the model's own text", who)
+        out = replace(self, generated=self.count // 2)
+        out.fallback = True
+        return out
+
+    def own_note(self) -> str:
+        """What the log says of the windows the model writes: theirs, and whether a pass chose them."""
+        if not self.fallback:
+            return ""
+        return (f"; {self.own} of the {self.count} samples, a calibrated pass's default beside a text (data: generated "
+                "sets how many, 0 keeps to the text)")
 
     @classmethod
     def from_value(cls, value: Any) -> DataConfig:
@@ -83,7 +140,7 @@ class DataConfig:
                 return cls(**value)
             except TypeError as exc:
                 raise ConfigError(
-                    f"data: {exc}; valid keys: source, samples, seq_len, batch, tokenizer, seed"
+                    f"data: {exc}; valid keys: source, samples, seq_len, batch, tokenizer, seed, generated"
                 ) from None
         raise ConfigError(f"data must be a source string or a mapping, got {value!r}")
 
@@ -97,7 +154,7 @@ class DataConfig:
         given (:func:`samples_for`); logged, naming ``who`` (the pass)."""
         if self.samples is not None:
             return self
-        n = samples_for(width, self.seq_len, self.batch)
+        n = max(samples_for(width, self.seq_len, self.batch), self.generated or 0)
         log.info("%s: calibrating on up to %d samples of %d tokens (%d tokens for layer inputs up to %d wide; "
                  "data: samples sets another number)", who, n, self.seq_len, n * self.seq_len * max(1, self.batch),
                  width)
@@ -106,7 +163,7 @@ class DataConfig:
 
 def iter_feeds(
     model: onnx.ModelProto, config: DataConfig, model_dir: Path | None = None, *, root: Path | None = None,
-    warn: bool = True,
+    warn: bool = True, handle: Any = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """Yield ``config.count`` feeds for ONNX Runtime.
 
@@ -114,6 +171,8 @@ def iter_feeds(
     package folder holding it (an ONNX Runtime GenAI folder whose model is in a sub-folder), where
     those files are looked for next. Nothing above ``root`` (or ``model_dir``) is read. ``warn``: say
     that random inputs are for smoke tests (a caller that asked for them on purpose says so itself).
+    ``handle``: the :class:`~bitpress.models.onnx_model.OnnxModel` of ``model``, which writes the
+    windows ``config.own`` asks for (without it, a config asking for any is refused).
     """
     src = config.source
     specs = input_specs(model)
@@ -122,6 +181,9 @@ def iter_feeds(
         genai = find_genai_config(model_dir, root) if model_dir is not None else None
         plan = cache_plan(model, kv_hints(genai), specs=specs)
     plain = [s for s in specs if not is_past(s)]
+    if src == GENERATED:
+        yield from _text(None, specs, config, model_dir, root, plan, handle)
+        return
     if src == "random":
         (log.warning if warn else log.debug)("calibrating on random inputs: fine for smoke tests, not for real quality")
         for feed in _random(plain, config, vocab_size(model)):
@@ -129,13 +191,14 @@ def iter_feeds(
         return
     path = Path(src)
     if not path.exists():
-        raise UsageError(f"calibration data {src!r} not found (use 'random', a .npz file/folder or a .txt file)")
+        raise UsageError(f"calibration data {src!r} not found (use 'random', 'generated', a .npz file/folder or a "
+                         ".txt file)")
     if path.is_dir() or path.suffix == ".npz":
         for feed in _npz(path, specs, config, {p.name for p in plan.past}):
             yield plan.fill(feed)
         return
-    if path.suffix in (".txt", ".cor", ".md", ".text"):
-        yield from _text(path, specs, config, model_dir, root, plan)
+    if path.suffix in TEXT_SUFFIXES:
+        yield from _text(path, specs, config, model_dir, root, plan, handle)
         return
     raise UsageError(f"calibration data {src!r}: expected 'random', a .npz file or folder, or a .txt file")
 
@@ -197,20 +260,50 @@ def _npz(
 
 
 def _text(
-    path: Path, specs: list[InputSpec], config: DataConfig, model_dir: Path | None, root: Path | None,
-    plan: Any,
+    path: Path | None, specs: list[InputSpec], config: DataConfig, model_dir: Path | None, root: Path | None,
+    plan: Any, handle: Any,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Windows of ``seq_len`` tokens (BOS first when the tokenizer asks), the cache as ``plan`` fills it."""
+    """Windows of ``seq_len`` tokens (BOS first when the tokenizer asks), the cache as ``plan`` fills it:
+    the text's (``path``; None for none), then ``config.own`` the model writes itself."""
     if model_dir is None and not config.tokenizer:
         raise UsageError("text calibration data needs a tokenizer: pass --tokenizer / data.tokenizer "
                          "(a tokenizer.json or its folder)")
     tok_path = find_tokenizer(config.tokenizer, [(Path(model_dir), root)] if model_dir is not None else [],
                               "--tokenizer / data.tokenizer")
-    tokens = tokenize(path, tok_path)
-    windows = token_windows(tokens, config.seq_len, config.count * config.batch, shorter="error")
-    for _, feed in window_feeds(specs, plan, windows, config.batch, "text calibration"):
-        yield feed
+    own = None
+    if config.own:
+        try:
+            own = own_windows(handle, specs, plan, tok_path, config)
+        except UsageError as exc:
+            if not config.fallback or path is None:
+                raise
+            log.info("calibrating on %s alone: %s", path.name, exc)
+    rows = config.batch * (config.count - (config.own if own is not None else 0))
+    if path is not None and rows:
+        windows = token_windows(tokenize(path, tok_path), config.seq_len, rows, shorter="error")
+        for _, feed in window_feeds(specs, plan, windows, config.batch, "text calibration"):
+            yield feed
+    if own is not None:
+        for _, feed in window_feeds(specs, plan, own, config.batch, "text calibration"):
+            yield feed
+
+
+def own_windows(handle: Any, specs: list[InputSpec], plan: Any, tokenizer: Path, config: DataConfig) -> np.ndarray:
+    """``config.own`` windows (``x batch`` rows) the model of ``handle`` writes itself, from the tokenizer's start."""
+    from bitpress.calibration.generate import sample_windows
+    from bitpress.calibration.text import load_tokenizer, start_tokens
+
+    if handle is None:
+        raise UsageError("this pass cannot run the model to write its own calibration text; give a text "
+                         "(data: source) and generated: 0")
+    tok = load_tokenizer(tokenizer)
+    start = start_tokens(tok, tokenizer)
+    rows = config.own * config.batch
+    log.info("the model writes %d windows of %d tokens of its own calibration text (from token(s) %s, seed %d)%s",
+             rows, config.seq_len, list(start), config.seed, config.own_note())
+    return sample_windows(handle, specs, plan, start, rows, config.seq_len, config.seed,
+                          vocab=int(tok.get_vocab_size(with_added_tokens=True)))
 
 
 # InputSpec, input_specs and vocab_size (bitpress.onnx.inputs) are offered here too: what the feeds are built from
-__all__ = ["DataConfig", "InputSpec", "input_specs", "iter_feeds", "vocab_size"]
+__all__ = ["GENERATED", "DataConfig", "InputSpec", "input_specs", "iter_feeds", "own_windows", "vocab_size"]

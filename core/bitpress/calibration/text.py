@@ -87,14 +87,7 @@ def bos_tokens(tok: Any, tokenizer_path: Path) -> tuple[int, ...]:
     such as ``<bos> $A``).
     """
     folder = tokenizer_path.parent
-    cfg: dict[str, Any] = {}
-    try:
-        found = paths.optional(folder, TOKENIZER_CONFIG, "tokenizer config")
-        if found is not None:
-            loaded = json.loads(paths.read_text(folder, found, "tokenizer config"))
-            cfg = loaded if isinstance(loaded, dict) else {}
-    except (json.JSONDecodeError, ModelLoadError) as exc:
-        log.warning("ignoring %s: %s", folder / TOKENIZER_CONFIG, exc)
+    cfg = _tokenizer_config(folder)
     prefix = _template_prefix(tok)
     if "add_bos_token" in cfg:
         if not cfg["add_bos_token"]:
@@ -111,6 +104,40 @@ def bos_tokens(tok: Any, tokenizer_path: Path) -> tuple[int, ...]:
                     folder / TOKENIZER_CONFIG)
         return ()
     return prefix
+
+
+def _tokenizer_config(folder: Path) -> dict[str, Any]:
+    """``tokenizer_config.json`` beside the tokenizer, or ``{}`` (absent or unreadable: logged)."""
+    try:
+        found = paths.optional(folder, TOKENIZER_CONFIG, "tokenizer config")
+        if found is not None:
+            loaded = json.loads(paths.read_text(folder, found, "tokenizer config"))
+            return loaded if isinstance(loaded, dict) else {}
+    except (json.JSONDecodeError, ModelLoadError) as exc:
+        log.warning("ignoring %s: %s", folder / TOKENIZER_CONFIG, exc)
+    return {}
+
+
+#: document separators tried, in order, when a tokenizer config names neither a BOS nor an EOS token
+_SEPARATORS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
+
+
+def start_tokens(tok: Any, tokenizer_path: Path) -> tuple[int, ...]:
+    """What text the model writes itself starts from: the windows' BOS (:func:`bos_tokens`), else the
+    token that separates documents (the config's ``bos_token``, then ``eos_token``, then a usual name)."""
+    bos = bos_tokens(tok, tokenizer_path)
+    if bos:
+        return bos
+    cfg = _tokenizer_config(tokenizer_path.parent)
+    names: list[Any] = [cfg.get("bos_token"), cfg.get("eos_token"), *_SEPARATORS]
+    for name in names:
+        if isinstance(name, dict):
+            name = name.get("content")
+        tid = tok.token_to_id(name) if isinstance(name, str) and name else None
+        if tid is not None:
+            return (int(tid),)
+    raise UsageError(f"the tokenizer in {tokenizer_path.parent} names no BOS or end-of-text token for the model "
+                     "to start its own calibration text from; give a text (data: source) instead")
 
 
 def _template_prefix(tok: Any) -> tuple[int, ...]:
@@ -178,6 +205,7 @@ __all__ = [
     "bos_tokens",
     "find_tokenizer",
     "load_tokenizer",
+    "start_tokens",
     "token_windows",
     "tokenize",
 ]

@@ -67,11 +67,15 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    help="run each pass in a worker process of this environment: a native crash (abort, "
                         "segfault) is then a clean error and writes nothing")
     d = p.add_argument_group("calibration data (passes that need or use it)")
-    d.add_argument("--data", help="random, a .npz file or folder of .npz, or a .txt file (with a tokenizer)")
+    d.add_argument("--data", help="random, a .npz file or folder of .npz, a .txt file (with a tokenizer), "
+                   "or generated (text the model writes itself)")
     d.add_argument("--samples", type=int, help="calibration samples (default: enough for the widest layer input, "
                    "2 tokens per channel, 8 to 128, for GPTQ and AWQ; 8 for other passes)")
     d.add_argument("--seq-len", type=int, default=128, help="tokens per text sample (default 128)")
     d.add_argument("--tokenizer", help="tokenizer.json (or its folder) for text data; default: the model's folder")
+    d.add_argument("--generated", type=int, metavar="N",
+                   help="how many of the samples are text the model writes itself, beside a text (default: half "
+                        "for gptq / awq, none for other passes; 0 keeps to the text)")
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
@@ -134,7 +138,8 @@ def _executor(args: argparse.Namespace) -> Any:
 def _data(args: argparse.Namespace) -> dict[str, Any] | None:
     if not args.data:
         return None
-    data = {"source": args.data, "samples": args.samples, "seq_len": args.seq_len, "tokenizer": args.tokenizer}
+    data = {"source": args.data, "samples": args.samples, "seq_len": args.seq_len, "tokenizer": args.tokenizer,
+            "generated": args.generated}
     return {k: v for k, v in data.items() if v is not None or k == "tokenizer"}
 
 

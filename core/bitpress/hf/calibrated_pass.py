@@ -103,8 +103,10 @@ class CalibratedHfPass(HfQuantPass):
         emb = torch_model.get_input_embeddings()
         vocab = int(getattr(emb, "num_embeddings", 0) or getattr(torch_model.config, "vocab_size", 0))
         widest = max((int(j.param.shape[-1]) for j in p.jobs), default=1)
-        data = DataConfig.from_value(context.data).enough_for(widest, self.name) if context.data is not None else None
-        batches = calibration_batches(data, model.source, vocab)
+        data = None
+        if context.data is not None:
+            data = DataConfig.from_value(context.data).enough_for(widest, self.name).with_own_text(self.name)
+        batches = calibration_batches(data, model.source, vocab, torch_model)
         torch_model.eval()
         with context.step(len(p.jobs), "quantizing") as advance:
             report = quantize_calibrated(torch_model, p, method, batches, sequential=opts.sequential,

@@ -2,7 +2,9 @@
 
 * :func:`calibration_batches`: the host's ``--data`` (:class:`~bitpress.calibration.data.DataConfig`) as
   ``input_ids`` / ``attention_mask`` batches: text windows cut with the model folder's
-  tokenizer (or ``data.tokenizer``), ``.npz`` files holding ``input_ids``, or ``random``.
+  tokenizer (or ``data.tokenizer``) and those the model writes itself (``generated``: sampled
+  from its full next-token distribution, :func:`own_windows`), ``.npz`` files holding
+  ``input_ids``, or ``random``.
 * :func:`find_layers`: the decoder stack, the ``nn.ModuleList`` of same-class blocks that holds
   the most target linears (``model.model.layers`` for Llama-likes).
 * :func:`capture`: what every block receives for every batch (hidden states, attention mask,
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bitpress.calibration.data import DataConfig, _npz
+from bitpress.calibration.data import GENERATED, TEXT_SUFFIXES, DataConfig, _npz
 from bitpress.errors import QuantizationError, UsageError
 from bitpress.onnx.calibrated.stats import StatsAccumulator
 from bitpress.onnx.inputs import InputSpec
@@ -38,7 +40,6 @@ from bitpress.quant.calibrated import LayerStats
 
 log = logging.getLogger(__name__)
 
-_TEXT_SUFFIXES = (".txt", ".cor", ".md", ".text")
 #: windows of equal length are stacked into batches of about this many tokens (statistics do not
 #: depend on the batching; fewer, larger forwards are faster)
 BATCH_TOKENS = 2048
@@ -69,15 +70,19 @@ class Batch:
 
 
 # -- calibration data ---------------------------------------------------------------------------------
-def calibration_batches(data: Any, model_dir: Path | None, vocab_size: int) -> list[Batch]:
+def calibration_batches(data: Any, model_dir: Path | None, vocab_size: int, model: nn.Module | None = None
+                        ) -> list[Batch]:
     """``data`` (a :class:`DataConfig` or what :meth:`DataConfig.from_value` takes) as batches.
 
     Text needs a ``tokenizer.json``: ``data.tokenizer``, else the model folder's (local files only).
+    ``model``: the causal LM that writes the windows ``data.generated`` asks for.
     """
     if data is None:
         raise UsageError("calibrated quantization needs calibration data: give --data (a .txt file, "
                          "a .npz file or folder with input_ids, or random) or 'data:' in the config")
     cfg = DataConfig.from_value(data)
+    if cfg.source == GENERATED:
+        return _text_batches(None, cfg, model_dir, model)
     if cfg.source == "random":
         log.warning("calibrating on random token ids: fine for smoke tests, not for real quality")
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -89,8 +94,8 @@ def calibration_batches(data: Any, model_dir: Path | None, vocab_size: int) -> l
                          "input_ids, or a .txt file)")
     if path.is_dir() or path.suffix == ".npz":
         out = _npz_batches(path, cfg)
-    elif path.suffix in _TEXT_SUFFIXES:
-        out = _text_batches(path, cfg, model_dir)
+    elif path.suffix in TEXT_SUFFIXES:
+        out = _text_batches(path, cfg, model_dir, model)
     else:
         raise UsageError(f"calibration data {cfg.source!r}: expected 'random', a .npz file or folder, or a .txt file")
     for b in out:
@@ -120,7 +125,8 @@ def _npz_batches(path: Path, cfg: DataConfig) -> list[Batch]:
     return out
 
 
-def _text_batches(path: Path, cfg: DataConfig, model_dir: Path | None) -> list[Batch]:
+def _text_batches(path: Path | None, cfg: DataConfig, model_dir: Path | None, model: nn.Module | None) -> list[Batch]:
+    """The text's windows (``path``; None for none), then the ``cfg.own`` windows the model writes."""
     from bitpress.calibration.text import find_tokenizer, token_windows, tokenize
 
     if model_dir is None and not cfg.tokenizer:
@@ -128,10 +134,73 @@ def _text_batches(path: Path, cfg: DataConfig, model_dir: Path | None) -> list[B
                          "(a tokenizer.json or its folder)")
     folders = [(Path(model_dir), None)] if model_dir is not None else []
     tok = find_tokenizer(cfg.tokenizer, folders, "--tokenizer / data.tokenizer")
-    windows = token_windows(tokenize(path, tok), cfg.seq_len, cfg.count * max(1, cfg.batch), shorter="error")
+    own = None
+    if cfg.own:
+        try:
+            own = own_windows(model, tok, cfg)
+        except UsageError as exc:
+            if not cfg.fallback or path is None:
+                raise
+            log.info("calibrating on %s alone: %s", path.name, exc)
+    parts = []
+    rows = (cfg.count - (cfg.own if own is not None else 0)) * max(1, cfg.batch)
+    if path is not None and rows:
+        parts.append(token_windows(tokenize(path, tok), cfg.seq_len, rows, shorter="error"))
+    if own is not None:
+        parts.append(own)
+    windows = np.concatenate(parts) if parts else np.zeros((0, cfg.seq_len), np.int64)
     step = _rows_per_batch(cfg)
     return [Batch(torch.from_numpy(np.ascontiguousarray(windows[i: i + step])))
             for i in range(0, len(windows), step)]
+
+
+def own_windows(model: nn.Module | None, tokenizer: Path, cfg: DataConfig) -> np.ndarray:
+    """``cfg.own x batch`` windows of ``cfg.seq_len`` tokens the causal LM ``model`` samples itself, from
+    the tokenizer's start tokens, with its KV cache (the same rule as the ONNX path's
+    :func:`bitpress.calibration.generate.sample_windows`: the full distribution, seeded)."""
+    import time
+
+    from bitpress.calibration.generate import BATCH
+    from bitpress.calibration.text import load_tokenizer, start_tokens
+
+    if model is None or not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+        raise UsageError("the model's own calibration text needs a causal language model (an LM head); "
+                         "give a text (data: source) and generated: 0")
+    tok = load_tokenizer(tokenizer)
+    start = start_tokens(tok, tokenizer)
+    rows, seq = cfg.own * max(1, cfg.batch), cfg.seq_len
+    if len(start) >= seq:
+        raise UsageError(f"a window of {seq} tokens leaves no room after the {len(start)} start token(s)")
+    vocab = int(tok.get_vocab_size(with_added_tokens=True))
+    log.info("the model writes %d windows of %d tokens of its own calibration text (from token(s) %s, seed %d)%s",
+             rows, seq, list(start), cfg.seed, cfg.own_note())
+    gen = torch.Generator().manual_seed(cfg.seed)
+    out = torch.empty((rows, seq), dtype=torch.int64)
+    t0 = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for lo in range(0, rows, BATCH):
+                hi = min(rows, lo + BATCH)
+                ids = out[lo:hi]
+                ids[:, : len(start)] = torch.tensor(start, dtype=torch.int64)
+                res = model(input_ids=ids[:, : len(start)].clone(), use_cache=True)
+                for t in range(len(start), seq):
+                    logits = res.logits[:, -1].double()
+                    if 0 < vocab < logits.shape[1]:
+                        logits = logits[:, :vocab]
+                    u = torch.rand(logits.shape, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0)
+                    ids[:, t] = torch.argmax(logits - torch.log(-torch.log(u)), dim=1)
+                    if t + 1 == seq:
+                        break
+                    res = model(input_ids=ids[:, t : t + 1].clone(), past_key_values=res.past_key_values,
+                                use_cache=True)
+                log.info("calibration text written by the model: %d/%d windows of %d tokens (%.0f s)", hi, rows, seq,
+                         time.perf_counter() - t0)
+    finally:
+        model.train(was_training)
+    return out.numpy()
 
 
 # -- the decoder stack --------------------------------------------------------------------------------

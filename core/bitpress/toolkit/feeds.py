@@ -50,7 +50,8 @@ def calibration_feeds(model: OnnxModel, data: Any, *, who: str = "static quantiz
             "file with a tokenizer) or 'data:' in the config"
         )
     config = DataConfig.from_value(data)
-    feeds = list(iter_feeds(model.proto, config, model.source.parent, root=getattr(model, "package_root", None)))
+    feeds = list(iter_feeds(model.proto, config, model.source.parent, root=getattr(model, "package_root", None),
+                            handle=model))
     if not feeds:
         raise UsageError(f"calibration data {config.source!r} gave no samples")
     return feeds

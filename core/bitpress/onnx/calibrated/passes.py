@@ -338,11 +338,13 @@ def _write_dequantized(model: OnnxModel, group: Group, res: Any, substitutes: Su
 
 
 def _feeds(model: OnnxModel, context: PassContext, widest: int, who: str) -> Any:
-    """The calibration feeds; as many samples as the widest input (``widest`` channels) needs when not given."""
+    """The calibration feeds; as many samples as the widest input (``widest`` channels) needs when not given,
+    half of them the model's own text beside a text unless ``generated`` says otherwise."""
     from bitpress.calibration.data import DataConfig, iter_feeds
 
-    config = DataConfig.from_value(context.data).enough_for(widest, who)
-    return iter_feeds(model.proto, config, model.source.parent, root=getattr(model, "package_root", None))
+    config = DataConfig.from_value(context.data).enough_for(widest, who).with_own_text(who)
+    return iter_feeds(model.proto, config, model.source.parent, root=getattr(model, "package_root", None),
+                      handle=model)
 
 
 def rounding_solver(name: str, bits: int, block_size: int, symmetric: bool) -> tuple[Any, bool]:

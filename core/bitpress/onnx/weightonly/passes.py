@@ -191,12 +191,14 @@ class WeightOnlyPass(Pass):
             from bitpress.onnx.weightonly.sensitivity import measure
 
             config = DataConfig.from_value(data if data is not None else "random")
-            config = dataclasses.replace(config, samples=self.options.bpw_samples)
+            n = self.options.bpw_samples
+            config = dataclasses.replace(config, samples=n, generated=None if config.generated is None
+                                         else min(config.generated, n))
             if data is None:
                 log.info("%s: bpw: sensitivity measured on %d samples of random token ids; --data (a text like "
                          "the model's use) measures it where it matters", model.source.name, config.count)
             feeds = iter_feeds(model.proto, config, model.source.parent, root=getattr(model, "package_root", None),
-                               warn=data is not None)
+                               warn=data is not None, handle=model)
             return measure(model, p.groups, layouts, feeds)
 
         allocate(model, p, float(budget), self.estimate(), self.kernel(), measure=sensitivity, fixed=fixed)
@@ -229,7 +231,7 @@ class WeightOnlyPass(Pass):
         readers = {g.weight: [u.node.input[0] for u in g.uses if not u.is_gather] for g in p.groups}
         readers = {w: acts for w, acts in readers.items() if acts}
         feeds = iter_feeds(model.proto, DataConfig.from_value(context.data), model.source.parent,
-                           root=getattr(model, "package_root", None))
+                           root=getattr(model, "package_root", None), handle=model)
         if context.workdir is not None:
             return channel_importance(model, readers, feeds, context.workdir)
         with tempfile.TemporaryDirectory(prefix="bitpress-calibration-") as tmp:
