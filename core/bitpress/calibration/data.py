@@ -294,8 +294,8 @@ def own_windows(handle: Any, specs: list[InputSpec], plan: Any, tokenizer: Path,
     from bitpress.calibration.text import load_tokenizer, start_tokens
 
     if handle is None:
-        raise UsageError("this pass cannot run the model to write its own calibration text; give a text "
-                         "(data: source) and generated: 0")
+        raise UsageError("cannot run the model to write its own calibration text here (generated / source: "
+                         "generated); give a text or .npz files instead")
     tok = load_tokenizer(tokenizer)
     start = start_tokens(tok, tokenizer)
     rows = config.own * config.batch
