@@ -401,6 +401,19 @@ def test_olive_mapping_of_passes_is_still_accepted(make_registry, tiny_decoder: 
     assert [s.label for s in wf.steps] == ["q", "r"] and wf.steps[1].pass_.options.bits == 8
 
 
+def test_olive_types_are_routed_by_the_inputs_kind(make_registry, tiny_decoder: Path, tmp_path: Path) -> None:
+    """An Olive type names one pass (KQuant, Rtn: the PyTorch ones); on an ONNX input it is the pass of the same
+    algorithm that takes ONNX."""
+    import bitpress_kquant
+    import bitpress_rotate
+    from bitpress.workflow.config import build_workflow
+
+    passes = [{"type": "KQuant"}, {"type": "Rtn", "bits": 8}, {"type": "QuaRot"}]
+    wf = build_workflow({"input": str(tiny_decoder), "output": str(tmp_path / "out"), "passes": passes},
+                        make_registry(("kquant", bitpress_kquant), ("rotate", bitpress_rotate)))
+    assert [s.pass_.name for s in wf.steps] == ["kquant", "rtn", "quarot"]
+
+
 def test_syntax_errors_are_folded_into_one_line(run_config, tiny_decoder: Path) -> None:
     line = run_config(f"input: {tiny_decoder}\noutput: out.onnx\npasses: [{{type: rtn}}]\nfoo: bar: baz\n")
     assert "w.yaml: not valid YAML: line 4, column 9: mapping values are not allowed here" in line

@@ -45,13 +45,16 @@ What it offers, by topic (see ``docs/writing-a-plugin.md``):
 * **Selection and CPU.** ``NameMatcher`` (names, globs, ``re:`` patterns), ``short`` (a bounded
   ``repr``); ``cpu_flags``, ``int8_saturates``, ``ReduceRange``, ``resolve_reduce_range``.
 * **Calibration data.** ``Feed``, ``FeedReader``, ``calibration_feeds``, ``placeholder_feeds``,
-  ``split_feeds``.
+  ``split_feeds``; ``DataConfig`` (``data:``) and ``GENERATED`` (``source: generated``, the model's own text).
 * **Wrapping a vendor toolkit.** Isolation: ``contained``, ``import_contained``, ``Relay``,
   ``ToolMessages`` (a plugin's ``sandbox`` module builds on them); the scratch workspace:
   ``Workspace``, ``ToolReport``, ``record_report``, ``count_ops``, ``drop_unused_opsets``,
   ``dist_version``.
 * **The Hugging Face path** (imports torch: use inside functions). ``HfToOnnxPass``,
-  ``HfQuantPass``, ``HfQuantOptions``, ``CalibratedHfPass``, ``CalibratedHfOptions``, ``Method``.
+  ``HfQuantPass``, ``HfQuantOptions``, ``CalibratedHfPass``, ``CalibratedHfOptions``, ``Method``,
+  ``HfModel``, ``QuantTensor``, ``calibration_batches``; a module's online product (a float matrix
+  applied to its input, saved with the checkpoint and carried into exports): ``attach_online``,
+  ``detach_online``, ``ONLINE_BUFFER``, ``output_embedding_name``.
 * **Evaluation.** ``OutputAccumulator`` (relative error of a model's outputs, sample by sample).
 * **GenAI packages.** ``GenaiPackage``, ``check_package``, ``builder_reason``.
 """
@@ -62,6 +65,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the real imports, for type checkers and IDEs; at run time names load on first use
+    from bitpress.calibration.data import GENERATED, DataConfig
     from bitpress.cpu import ReduceRange, cpu_flags, int8_saturates, resolve_reduce_range
     from bitpress.errors import (
         BitpressError,
@@ -77,7 +81,14 @@ if TYPE_CHECKING:  # the real imports, for type checkers and IDEs; at run time n
     from bitpress.genai.export import GenaiPackage, builder_reason, check_package
     from bitpress.hf.calibrated import Method
     from bitpress.hf.calibrated_pass import CalibratedHfOptions, CalibratedHfPass
+    from bitpress.hf.layer_inputs import calibration_batches
+    from bitpress.hf.model import HfModel
+    from bitpress.hf.online import BUFFER as ONLINE_BUFFER
+    from bitpress.hf.online import attach as attach_online
+    from bitpress.hf.online import detach as detach_online
+    from bitpress.hf.online import head_module as output_embedding_name
     from bitpress.hf.passes import HfQuantPass, HfToOnnxPass
+    from bitpress.hf.qtensor import QuantTensor
     from bitpress.hf.rules import HfQuantOptions
     from bitpress.hookspecs import hookimpl
     from bitpress.models.base import ModelHandle
@@ -230,6 +241,8 @@ _EXPORTS: dict[str, str] = {
     "calibration_feeds": "bitpress.toolkit.feeds",
     "placeholder_feeds": "bitpress.toolkit.feeds",
     "split_feeds": "bitpress.toolkit.feeds",
+    "DataConfig": "bitpress.calibration.data",
+    "GENERATED": "bitpress.calibration.data",
     # --- wrapping a vendor toolkit: isolation (containment) and the scratch workspace ---
     "contained": "bitpress.toolkit.containment",
     "import_contained": "bitpress.toolkit.containment",
@@ -248,6 +261,13 @@ _EXPORTS: dict[str, str] = {
     "CalibratedHfPass": "bitpress.hf.calibrated_pass",
     "CalibratedHfOptions": "bitpress.hf.calibrated_pass",
     "Method": "bitpress.hf.calibrated",
+    "HfModel": "bitpress.hf.model",
+    "QuantTensor": "bitpress.hf.qtensor",
+    "calibration_batches": "bitpress.hf.layer_inputs",
+    "attach_online": "bitpress.hf.online:attach",
+    "detach_online": "bitpress.hf.online:detach",
+    "ONLINE_BUFFER": "bitpress.hf.online:BUFFER",
+    "output_embedding_name": "bitpress.hf.online:head_module",
     # --- evaluation ---
     "OutputAccumulator": "bitpress.evaluate.metrics",
     # --- GenAI packages ---
@@ -260,9 +280,11 @@ __all__ = [
     "BNB4_BLOCK_SIZES",
     "BNB4_QUANT_TYPES",
     "FP4_CODEBOOK",
+    "GENERATED",
     "KEEP_FLOAT",
     "MS_DOMAIN",
     "NF4_CODEBOOK",
+    "ONLINE_BUFFER",
     "SINGLE_FILE_LIMIT",
     "BitpressError",
     "BlockSolver",
@@ -273,12 +295,14 @@ __all__ = [
     "CalibratedPass",
     "CalibratedSolver",
     "CorrectionFix",
+    "DataConfig",
     "Estimate",
     "ExportError",
     "Feed",
     "FeedReader",
     "GenaiPackage",
     "Group",
+    "HfModel",
     "HfQuantOptions",
     "HfQuantPass",
     "HfToOnnxPass",
@@ -300,6 +324,7 @@ __all__ = [
     "PassContext",
     "Plan",
     "QdqConversion",
+    "QuantTensor",
     "QuantizationError",
     "QuantizedBlocks",
     "ReduceRange",
@@ -316,8 +341,10 @@ __all__ = [
     "WeightOnlyPass",
     "Workspace",
     "Writer",
+    "attach_online",
     "bnb4_path",
     "builder_reason",
+    "calibration_batches",
     "calibration_feeds",
     "check_block_size",
     "check_package",
@@ -328,6 +355,7 @@ __all__ = [
     "cpu_flags",
     "dequantize",
     "dequantize_bnb4",
+    "detach_online",
     "dist_version",
     "drop_unused_opsets",
     "get_registry",
@@ -341,6 +369,7 @@ __all__ = [
     "iter_tensors",
     "keeps_float",
     "option",
+    "output_embedding_name",
     "output_error",
     "parse_options",
     "placeholder_feeds",

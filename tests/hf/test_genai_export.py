@@ -422,6 +422,11 @@ def test_mobius_refusals_and_failures_are_one_line(tiny: dict[str, Path], tmp_pa
     with pytest.raises(ExportError, match=r"^mobius failed on weird: ValueError: .*model type `bitpress_toy`"):
         _run([{"type": "hf_to_genai", "exporter": "mobius"}], weird, tmp_path / "pkg")
     assert not (tmp_path / "pkg").exists() or not any((tmp_path / "pkg").iterdir())
+    biased = tmp_path / "biased"  # mobius 0.1.0 builds it, silently without its MLP biases (measured)
+    shutil.copytree(tiny["untied"], biased)
+    (biased / "config.json").write_text(json.dumps({**cfg, "mlp_bias": True}))
+    with pytest.raises(ExportError, match=r"mobius 0.1.0 drops the MLP biases .*use --exporter builder"):
+        _run([{"type": "hf_to_genai", "exporter": "mobius"}], biased, tmp_path / "pkg")
     from bitpress.errors import OptionError
 
     with pytest.raises(OptionError, match="builder_options apply to exporter builder only"):

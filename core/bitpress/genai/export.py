@@ -115,11 +115,18 @@ def build_genai(
     staged, out, cache = workdir / "checkpoint", workdir / "package", workdir / "builder-cache"
     for d in (staged, out):
         shutil.rmtree(d, ignore_errors=True)
+    head_products: dict[str, np.ndarray] = {}
     if not model.loaded and not _ours(model.source):
         ckpt = stage_files(model.source, staged, allow_pickle=model.allow_pickle)  # no torch load, no second copy
     else:
+        from bitpress.hf import online
+
+        head_products = online.check_exportable(model.torch_model())
         ckpt = write_olive(model.torch_model(), staged, source=model.source, exporter=exporter)
     if exporter == "mobius":  # one dtype for float weights and activations; quantized scales are cast to it
+        from bitpress.models import hf_files
+
+        mobius.check_config(hf_files.read_json(staged, "config.json"))
         arguments = mobius.mobius_argv(staged, out, dtype="f32" if dtype == "auto" else dtype, ep=ep)
         extra_args = arguments[arguments.index("--dtype"):]
         name = "mobius"
@@ -144,13 +151,21 @@ def build_genai(
         name = "the GenAI builder"
     _run_exporter(name, arguments, workdir, out, model.source.name, timeout)
     if exporter == "mobius":
-        from bitpress.models import hf_files
-
         mobius.finish_mobius(out, hf_files.read_json(staged, "config.json"), accuracy_level)
     else:
         fixed = fix_tied_gather_scales(out)
         if fixed:
             log.info("tied embedding: %d GatherBlockQuantized inputs reshaped to 2-D (the table stays shared)", fixed)
+    for module, matrix in head_products.items():  # a rotated model's product before its tied LM head
+        from bitpress.hf.online import insert_before_head
+
+        graphs = insert_before_head(out, matrix, name=module)
+        if not graphs:
+            shutil.rmtree(out, ignore_errors=True)
+            raise ExportError(f"the package built from {model.source.name} has no graph with a logits output, so the "
+                              f"online product of {module} has nowhere to go")
+        log.info("%s: online product (%d x %d) inserted before the LM head of %d graph(s)", module, *matrix.shape,
+                 graphs)
     if split:
         from bitpress.genai.split import split_package
 

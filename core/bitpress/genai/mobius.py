@@ -26,6 +26,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from bitpress.errors import ExportError
 from bitpress.genai import GENAI_INSTALL_HINT
@@ -45,6 +46,14 @@ def mobius_missing() -> str | None:
     if missing:
         return f"mobius needs {', '.join(missing)}: {GENAI_INSTALL_HINT}"
     return None
+
+
+def check_config(config: dict[str, Any]) -> None:
+    """Refuse, before the build, configs mobius 0.1.0 is known to build wrong (measured)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if text.get("mlp_bias"):
+        raise ExportError("mobius 0.1.0 drops the MLP biases of a model with mlp_bias=true (its package's logits "
+                          "differ from the model's): use --exporter builder")
 
 
 def mobius_argv(staged: Path, out: Path, *, dtype: str, ep: str) -> list[str]:

@@ -45,8 +45,9 @@ class CalibratedHfOptions(HfQuantOptions):
 
 
 def check_float_model(model: HfModel, pass_name: str) -> None:
-    """Refuse a model an earlier pass quantized: a calibration pass needs a clean float model."""
-    earlier = [str(h.get("pass", "?")) for h in model.history if isinstance(h, dict)]
+    """Refuse a model an earlier pass quantized: a calibration pass needs a clean float model (passes that
+    leave it float, such as rotations, say so in their history entry: ``"float": true``)."""
+    earlier = [str(h.get("pass", "?")) for h in model.history if isinstance(h, dict) and not h.get("float")]
     if earlier:
         raise QuantizationError(_order_message(pass_name, ", ".join(earlier), "already quantized this one"))
 

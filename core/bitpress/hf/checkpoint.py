@@ -156,6 +156,10 @@ def load_model(folder: Path, *, trust_remote_code: bool = False, allow_pickle: b
     model.eval()
     if ours:
         _restore_quantized(model, st, qc)
+        if qc.get("online"):
+            from bitpress.hf import online
+
+            online.restore(model, st, qc["online"], f"{folder / 'config.json'} quantization_config")
     return model, (qc if ours else {})
 
 
@@ -255,24 +259,29 @@ def save_model(model: nn.Module, dest: Path, *, source: Path | None = None,
     config = getattr(model, "config", None)
     if config is None:
         raise ModelLoadError("the model has no transformers config to save")
-    files.append(write_config(config, dest, modules, tied, history))
+    from bitpress.hf.online import products
+
+    files.append(write_config(config, dest, modules, tied, history, online=sorted(products(model))))
     if source is not None:
         files += copy_companions(Path(source), dest)
     return files
 
 
 def write_config(config: Any, dest: Path, modules: dict[str, Any], tied: list[list[str]],
-                 history: list[dict[str, Any]] | None) -> Path:
-    """``dest/config.json``: ``config`` with our ``quantization_config`` (when anything is quantized)."""
+                 history: list[dict[str, Any]] | None, *, online: list[str] | None = None) -> Path:
+    """``dest/config.json``: ``config`` with our ``quantization_config`` (when anything is quantized, or a
+    module carries an online product: :mod:`bitpress.hf.online`)."""
     config.save_pretrained(dest)
     cfg_path = Path(dest) / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg.pop("quantization_config", None)
-    if modules:
+    if modules or online:
         cfg["quantization_config"] = {
             "quant_method": QUANT_METHOD, "format": FORMAT, "modules": modules, "tied": tied,
             "passes": list(history or []),
         }
+        if online:
+            cfg["quantization_config"]["online"] = list(online)
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return cfg_path
 

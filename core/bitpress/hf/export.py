@@ -308,6 +308,7 @@ def export(handle: HfModel, workdir: Path, *, split_embedding: bool = False, ops
 
     ``accuracy_level``: of the ``MatMulNBits`` written (4, int8 compute, runs fastest on CPU)."""
     from bitpress.hf.checkpoint import companion_files, parameter_groups
+    from bitpress.hf.online import mark_traced
     from bitpress.hf.qtensor import QuantTensor
 
     model = handle.torch_model()
@@ -329,6 +330,7 @@ def export(handle: HfModel, workdir: Path, *, split_embedding: bool = False, ops
             m.use_workdir(workdir)
             _strip_prefix(m)
             written = rewrite(m, qparams, accuracy_level)
+            mark_traced(m.graph)
             log.info("%s: %d quantized weights written as MatMulNBits / GatherBlockQuantized", part, len(written))
             models["model.onnx" if part == "full" else f"{part}.onnx"] = m
     shared: set[str] = set()

@@ -177,6 +177,7 @@ def write_olive(model: nn.Module, dest: Path, *, source: Path, exporter: str = "
     from safetensors.torch import save_file
 
     from bitpress.hf.checkpoint import SAFETENSORS, companion_files, copy_companion, parameter_groups
+    from bitpress.hf.online import is_online
     from bitpress.hf.qtensor import QuantTensor
 
     if exporter not in EXPORTERS:
@@ -195,7 +196,8 @@ def write_olive(model: nn.Module, dest: Path, *, source: Path, exporter: str = "
         if _TABLE in names and _HEAD in names:
             tied = True
         if not isinstance(value, QuantTensor):
-            tensors[names[0]] = value.detach().contiguous()
+            if not is_online(names[0]):  # an online product is inserted into the built graph, not staged
+                tensors[names[0]] = value.detach().contiguous()
             continue
         spec = value.spec
         # the builder's GatherBlockQuantized reads a tied table from the LM head's tensors; mobius's

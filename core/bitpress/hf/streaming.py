@@ -92,7 +92,11 @@ def why_not(model: HfModel) -> str | None:
         return "config.json is not a JSON object"
     if raw.get("auto_map"):
         return "the folder ships its own model code (auto_map)"
-    if raw.get("quantization_config"):
+    qc = raw.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("online") and not qc.get("modules"):
+        return "the checkpoint carries a rotation's online product (quantization_config.online), which streaming " \
+               "does not copy"
+    if qc:
         return "the checkpoint is already quantized (its config.json has a quantization_config)"
     st, pk = hf_files.weight_files(model.source)
     if not st:

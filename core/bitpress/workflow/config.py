@@ -420,7 +420,14 @@ def _resolve_pass(registry: Registry, kind: str, precision: str | None, model_ki
         return registry.get_pass(kind)
     aliases = {a: cls for cls in registry.passes.values() for a in getattr(cls, "aliases", ())}
     if kind in aliases:
-        return registry.get_pass(aliases[kind].name)
+        named = aliases[kind]
+        if model_kind not in named.model_kinds:
+            # an Olive type names one pass, but Olive runs it on either kind of model (QuaRot, KQuant):
+            # the pass of the same algorithm that takes this kind, when there is one
+            for algorithm in named.algorithms:
+                if any(model_kind in c.model_kinds and algorithm in c.algorithms for c in registry.passes.values()):
+                    return registry.select(algorithm, precision, model_kind)
+        return registry.get_pass(named.name)
     key = str(kind).casefold()
     algorithms = {a for cls in registry.passes.values() for a in cls.algorithms}
     if key not in {a.casefold() for a in algorithms}:

@@ -15,13 +15,18 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class QuarotOptions:
-    """Options of ``quarot`` (Olive's QuaRot names)."""
+class RotationFields:
+    """The options every rotation pass has (Olive's names); each pass checks them its own way."""
 
     rotate_mode: str = option("hadamard", "hadamard (randomized Hadamard, QuaRot's) or random (a random "
                                           "orthogonal matrix)")
     seed: int = option(0, "seed of the random signs / random matrix")
     rotate_heads: bool = option(True, "also rotate each attention value head (QuaRot's R2: v_proj and o_proj)")
+
+
+@dataclass
+class QuarotOptions(RotationFields):
+    """Options of ``quarot`` and ``quarot_hf`` (Olive's QuaRot names)."""
 
     def validate(self) -> None:
         if self.rotate_mode not in MODES:
