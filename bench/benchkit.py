@@ -673,6 +673,13 @@ def simd_flags() -> tuple[list[str], str]:
     return [f for f in SIMD_FLAGS if f in flags.flags], flags.source
 
 
+def write_doc(out: Path, lines: list[str]) -> int:
+    """Write a bench's Markdown table (``lines``) to ``out``, say so, and give the script's exit status."""
+    out.write_text("\n".join([*lines, ""]), encoding="utf-8")
+    print(f"wrote {out}")
+    return 0
+
+
 def utc_now() -> str:
     """The date and time a document is generated: ``2025-01-31 12:34 UTC``."""
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")

@@ -150,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             sp = "-" if decode is None else f"{decode:.2f}x"
             lines.append(f"| {label} | {bpw:.3f} | {p:.2f} | {change:+.1%} | {seconds:.0f} | {pr} | {sp} | {slow} |")
         lines.append("")
-    OUT.write_text("\n".join(lines), encoding="utf-8")
-    print(f"wrote {OUT}")
-    return 0
+    return benchkit.write_doc(OUT, lines[:-1])
 
 
 if __name__ == "__main__":

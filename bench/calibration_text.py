@@ -144,10 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         rec = "-" if label == "rtn" else f"{1 - change / rtn_change:.0%}"
         speed = "-" if decode is None else f"{decode:.2f}x"
         lines.append(f"| {label} | {cal} | {p:.2f} | {change:+.1%} | {rec} | {seconds:.0f} | {speed} |")
-    lines.append("")
-    OUT.write_text("\n".join(lines), encoding="utf-8")
-    print(f"wrote {OUT}")
-    return 0
+    return benchkit.write_doc(OUT, lines)
 
 
 if __name__ == "__main__":

@@ -147,10 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         fmt = (lambda x: "-" if x is None else f"{x:.2f}x")  # noqa: E731
         lines.append(f"| {label} | {p:.2f} | {change:+.1%} | {rec} | {size / 1e6:.1f} | {fmt(prompt)} | "
                      f"{fmt(decode)} | {seconds:.0f} | {kl or '-'} |")
-    lines.append("")
-    OUT.write_text("\n".join(lines), encoding="utf-8")
-    print(f"wrote {OUT}")
-    return 0
+    return benchkit.write_doc(OUT, lines)
 
 
 if __name__ == "__main__":
