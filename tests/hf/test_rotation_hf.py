@@ -378,3 +378,26 @@ def test_the_seed_olive_examples_run_as_written(tmp_path: Path, example: dict[st
     out = _run([dict(example)], src, tmp_path / "o")
     ids = torch.tensor([[5, 17, 42, 9, 100]])
     np.testing.assert_allclose(_logits(load_model(out)[0], ids), _logits(load_model(src)[0], ids), atol=1e-4)
+
+
+def test_spinquant_on_a_bf16_checkpoint_trains_a_float32_copy(tmp_path: Path) -> None:
+    """A bf16 model: trained on a float32 copy, the rotation written into the bf16 weights (one rounding), the
+    function kept to bf16 precision; without value heads (rotate_heads false) too."""
+    import torch
+
+    import bitpress
+    from bitpress.hf.checkpoint import load_model
+
+    pytest.importorskip("tokenizers")
+    from test_genai_export import _tokenized_folder
+
+    src = _tokenized_folder(_build("llama", True, dtype=torch.bfloat16, bias=False), tmp_path / "bf16")
+    spin = {"type": "SpinQuant", "rotate_heads": False, "w_group_size": 16, "training_args": {"max_steps": 3}}
+    bitpress.run({"input": str(src), "output": str(tmp_path / "o"), "passes": [spin],
+                  "data": {"source": "random", "samples": 4, "seq_len": 16}})
+    out, _ = load_model(tmp_path / "o" / src.name)
+    assert out.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    ids = torch.tensor([[5, 17, 42, 9, 100]])
+    ref = _logits(load_model(src)[0].float(), ids)  # float32 math: only the weights' rounding differs
+    got = _logits(out.float(), ids)
+    np.testing.assert_allclose(got, ref, atol=0.02 * np.abs(ref).max())
