@@ -414,6 +414,59 @@ def test_olive_types_are_routed_by_the_inputs_kind(make_registry, tiny_decoder: 
     assert [s.pass_.name for s in wf.steps] == ["kquant", "rtn", "quarot"]
 
 
+def test_olive_search_values_of_one_element_are_read_as_that_value(make_registry, tiny_decoder: Path,
+                                                                    tmp_path: Path) -> None:
+    """Olive writes searchable options as lists (``calibration_sampling_size: [8]``): one element is that value;
+    several are Olive's search space, refused in one line naming bitpress sweep."""
+    from bitpress.errors import OptionError
+    from bitpress.workflow.config import build_workflow
+
+    def build(**options: Any) -> Any:
+        return build_workflow({"input": str(tiny_decoder), "output": str(tmp_path / "o.onnx"),
+                               "passes": [{"type": "rtn", **options}]}, make_registry())
+
+    assert build(block_size=[32], is_symmetric=[False]).steps[0].pass_.options.block_size == 32
+    with pytest.raises(OptionError, match=r"block_size=\[32, 64\] lists 2 values .*bitpress sweep"):
+        build(block_size=[32, 64])
+    with pytest.raises(OptionError, match="not a valid int"):
+        build(block_size=["32"])  # the element is checked as the value itself
+
+
+def test_olive_save_options_of_onnx_passes(make_registry, tiny_decoder: Path, tmp_path: Path,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Olive's common save options on any ONNX pass: save_as_external_data sets the output's external data, the
+    ones bitpress already follows pass silently, the others are named in a warning saying what bitpress does."""
+    import logging
+
+    import bitpress
+    from bitpress.errors import ConfigError
+    from bitpress.workflow.config import build_workflow
+
+    def build(save: dict[str, Any] | None = None, **options: Any) -> Any:
+        config = {"input": str(tiny_decoder), "output": str(tmp_path / "o" / "q.onnx"),
+                  "passes": [{"type": "rtn", **options}]}
+        if save is not None:
+            config["save"] = save
+        return build_workflow(config, make_registry())
+
+    caplog.set_level(logging.WARNING)
+    quiet = build(save_as_external_data=True, all_tensors_to_one_file=True, size_threshold=1024,
+                  convert_attribute=False)
+    assert quiet.save.external_data is True and not caplog.records
+    build(all_tensors_to_one_file=False, external_data_name="w.data", size_threshold=[2048], convert_attribute=True)
+    text = caplog.text
+    for what in ("all_tensors_to_one_file=false is not followed", "external_data_name=w.data is not followed",
+                 "size_threshold=2048 is not followed", "convert_attribute=true is not followed"):
+        assert what in text, text
+    with pytest.raises(ConfigError, match=r"save_as_external_data=true contradicts save\.external_data=false"):
+        build(save={"external_data": False}, save_as_external_data=True)
+    with pytest.raises(ConfigError, match="save_as_external_data"):
+        build(save_as_external_data="yes")
+    bitpress.run({"input": str(tiny_decoder), "output": str(tmp_path / "o" / "q.onnx"),
+                  "passes": [{"type": "rtn", "save_as_external_data": True, "all_tensors_to_one_file": True}]})
+    assert (tmp_path / "o" / "q.onnx.data").is_file()
+
+
 def test_syntax_errors_are_folded_into_one_line(run_config, tiny_decoder: Path) -> None:
     line = run_config(f"input: {tiny_decoder}\noutput: out.onnx\npasses: [{{type: rtn}}]\nfoo: bar: baz\n")
     assert "w.yaml: not valid YAML: line 4, column 9: mapping values are not allowed here" in line

@@ -94,6 +94,7 @@ def parse_options(options_cls: type, values: dict[str, Any] | None, *, owner: st
         )
     kwargs = {}
     for key, value in values.items():
+        value = olive_single(value, hints[key], key, owner)
         try:
             kwargs[key] = coerce(value, hints[key], strict=strict)
         except (TypeError, ValueError, RecursionError) as exc:
@@ -107,6 +108,28 @@ def parse_options(options_cls: type, values: dict[str, Any] | None, *, owner: st
         raise OptionError(f"{owner}: {exc}") from None
     validate_options(instance, owner=owner)
     return instance
+
+
+def _scalar_type(tp: Any) -> bool:
+    """Whether ``tp`` takes one value (a number, string, bool or choice, optionally None), not a list or mapping."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return all(_scalar_type(a) for a in get_args(tp) if a is not type(None))
+    return origin is Literal or tp in (int, float, str, bool)
+
+
+def olive_single(value: Any, tp: Any, key: str, owner: str) -> Any:
+    """A one-element list for an option that takes one value, as Olive writes searchable options
+    (``calibration_sampling_size: [8]``), read as that value; several values are refused (Olive searches
+    them; bitpress runs one configuration: ``bitpress sweep`` runs several)."""
+    if not isinstance(value, list) or not _scalar_type(tp):
+        return value
+    if len(value) == 1:
+        return value[0]
+    from bitpress.selection import short
+
+    raise OptionError(f"{owner}: option {key}={short(value)} lists {len(value)} values (Olive's search space); "
+                      f"bitpress runs one configuration: give one value, or compare several with `bitpress sweep`")
 
 
 def validators(options_cls: type) -> list[Any]:

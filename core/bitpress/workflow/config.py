@@ -11,6 +11,7 @@ is what it builds; :mod:`bitpress.workflow.runner` runs one and :mod:`bitpress.w
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +21,11 @@ import yaml
 
 from bitpress.errors import ConfigError, PassNotFoundError, UsageError
 from bitpress.onnx.save import SaveOptions
+from bitpress.options import olive_single
 from bitpress.passes import Pass
 from bitpress.plugins import Registry, canonical_precision, get_registry
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -398,6 +402,14 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
                 raise
             raise PassNotFoundError(f"{label}.{where}: {exc}") from None
         precision = canonical_precision(cls, precision)  # INT4 -> int4, as the pass declares it
+        if "onnx" in cls.model_kinds:
+            external = _olive_save_options(cls, options, label)
+            if external is not None:
+                if save is not None and isinstance(save, dict) and save.get("external_data") is not None \
+                        and save["external_data"] != external:
+                    raise ConfigError(f"{label}.save_as_external_data={str(external).lower()} contradicts "
+                                      f"save.external_data={str(save['external_data']).lower()}")
+                save_opts.external_data = external
         # a config's values are typed (JSON / YAML): checked as they are, strings are not parsed
         pass_ = cls.from_config(options, precision, strict=True)
         if cls.output_kind is not None:  # later algorithm names are chosen for the converted model
@@ -410,6 +422,40 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
         input=Path(src), output=Path(dst), steps=steps, components=comps,
         jobs=jobs, overwrite=overwrite, save=save_opts, data=data, executor=executor,
     )
+
+
+#: Olive's save options of every ONNX pass, with their types: read here, not by the pass
+OLIVE_SAVE_OPTIONS: dict[str, Any] = {"save_as_external_data": bool, "all_tensors_to_one_file": bool,
+                                      "external_data_name": str | None, "size_threshold": int,
+                                      "convert_attribute": bool}
+
+
+def _olive_save_options(cls: type[Pass], options: dict[str, Any], label: str) -> bool | None:
+    """Take Olive's common save options out of an ONNX pass's ``options`` (unless the pass has options of those
+    names itself): ``save_as_external_data`` is returned (the output's ``save.external_data``); the others are
+    what bitpress does already, or named in a warning saying what it does instead."""
+    import dataclasses
+
+    from bitpress.onnx.save import INLINE_THRESHOLD
+
+    own = {f.name for f in dataclasses.fields(cls.Options)} if dataclasses.is_dataclass(cls.Options) else set()
+    found = {k: options.pop(k) for k in list(options) if k in OLIVE_SAVE_OPTIONS and k not in own}
+    for key, value in found.items():
+        found[key] = _typed(olive_single(value, OLIVE_SAVE_OPTIONS[key], key, label), OLIVE_SAVE_OPTIONS[key],
+                            f"{label}.{key}")
+    if found.get("all_tensors_to_one_file") is False:
+        log.warning("%s: all_tensors_to_one_file=false is not followed: bitpress writes the external data to one "
+                    "file beside the model (save.max_shard_size splits it into shards)", label)
+    if found.get("external_data_name"):
+        log.warning("%s: external_data_name=%s is not followed: bitpress names the data file after the model "
+                    "(<model>.onnx.data)", label, found["external_data_name"])
+    if "size_threshold" in found and found["size_threshold"] != INLINE_THRESHOLD:
+        log.warning("%s: size_threshold=%d is not followed: bitpress keeps tensors under %d bytes inside the .onnx "
+                    "file", label, found["size_threshold"], INLINE_THRESHOLD)
+    if found.get("convert_attribute"):
+        log.warning("%s: convert_attribute=true is not followed: bitpress leaves attribute tensors inside the "
+                    ".onnx file", label)
+    return found.get("save_as_external_data")
 
 
 def _resolve_pass(registry: Registry, kind: str, precision: str | None, model_kind: str = "onnx") -> type[Pass]:
