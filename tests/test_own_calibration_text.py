@@ -240,3 +240,23 @@ def test_a_passs_default_share_is_not_part_of_the_config() -> None:
     copy = DataConfig.from_value(dataclasses.asdict(auto))
     assert copy == auto and not copy.fallback and copy.generated == 4
     assert not DataConfig(source="a.txt", samples=8, generated=4).fallback
+
+
+def test_without_data_gptq_calibrates_on_the_models_own_text(tmp_path: Path, run_cli: Any) -> None:
+    """No --data (Olive's AutoAWQQuantizer / GptqQuantizer examples give none): the model's own text, said in a
+    warning; a model that cannot write stops in one line asking for data; a pass that cannot use own text still
+    needs data."""
+    from bitpress.synthetic import build_encoder
+
+    folder = _gqa(tmp_path)
+    code, _, err = run_cli("quantize", "-m", folder, "-o", tmp_path / "out", "--algorithm", "gptq", "--precision",
+                           "int4", "--option", "block_size=16")
+    assert code == 0, err
+    assert "no calibration data given: gptq calibrates on text the model writes itself" in err
+    enc = tmp_path / "enc"
+    build_encoder(enc / "model.onnx", hidden=VOCAB, layers=1, vocab=VOCAB)
+    write_tokenizer(enc)
+    code, _, err = run_cli("quantize", "-m", enc / "model.onnx", "-o", tmp_path / "q.onnx", "--algorithm", "gptq",
+                           "--precision", "int4", "--option", "block_size=16")
+    assert code != 0 and err.count("bitpress: error:") == 1 and "give calibration data (--data" in err, err
+    assert not (tmp_path / "q.onnx").exists()

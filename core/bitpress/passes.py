@@ -111,6 +111,9 @@ class Pass(ABC):
     #: other names the pass answers to in configs, ``passes show`` and ``--algorithm`` (case-insensitive):
     #: the names of the peer tool's pass it stands in for, e.g. Olive's ``OnnxStaticQuantization``
     aliases: ClassVar[tuple[str, ...]] = ()
+    #: a pass that needs data and can calibrate on text the model writes itself: without ``data``, a run gives it
+    #: the model's own text (``source: generated``, logged) instead of stopping (gptq, awq and their HF forms)
+    own_text_default: ClassVar[bool] = False
     algorithms: ClassVar[tuple[str, ...]] = ()
     precisions: ClassVar[tuple[str, ...]] = ()
     model_kinds: ClassVar[tuple[str, ...]] = ("onnx",)

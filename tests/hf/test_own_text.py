@@ -123,3 +123,15 @@ def test_a_tokenizer_without_a_start_token_falls_back_to_the_text(llama: Any, tm
     assert "calibrating on calib.txt alone" in caplog.text and "names no BOS or end-of-text token" in caplog.text
     with pytest.raises(bitpress.BitpressError, match="names no BOS or end-of-text token"):
         calibration_batches({"source": str(text), "samples": 4, "seq_len": 8, "generated": 1}, folder, 256, model)
+
+
+def test_the_seed_autoawq_example_runs_without_data(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Olive's ``{type: AutoAWQQuantizer, bits: 4}`` as the seed writes it, with no data: the model's own text,
+    said in a warning."""
+    import test_rotation_hf as rotation_hf
+
+    caplog.set_level(logging.WARNING)
+    src = rotation_hf._folder(tmp_path, bias=False)
+    out = rotation_hf._run([{"type": "AutoAWQQuantizer", "bits": 4, "group_size": 32}], src, tmp_path / "o")
+    assert "no calibration data given: awq_hf calibrates on text the model writes itself" in caplog.text
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["passes"][0]["pass"] == "awq_hf"

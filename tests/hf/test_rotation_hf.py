@@ -401,3 +401,4 @@ def test_spinquant_on_a_bf16_checkpoint_trains_a_float32_copy(tmp_path: Path) ->
     ref = _logits(load_model(src)[0].float(), ids)  # float32 math: only the weights' rounding differs
     got = _logits(out.float(), ids)
     np.testing.assert_allclose(got, ref, atol=0.02 * np.abs(ref).max())
+

@@ -106,7 +106,8 @@ def _logits_output(model: onnx.ModelProto) -> str:
         if len(dims) == 3 and dims[2].HasField("dim_value") and dims[2].dim_value == vocab:
             return o.name
     raise UsageError("the model's own calibration text needs a language model (an output of logits "
-                     f"[batch, sequence, vocabulary]); this one gives {', '.join(names)}")
+                     f"[batch, sequence, vocabulary]); this one gives {', '.join(names)}: give calibration data "
+                     "(--data: a text or .npz files)")
 
 
 def _present_for(past: str, outputs: set[str]) -> str | None:

@@ -74,6 +74,7 @@ class CalibratedHfPass(HfQuantPass):
     """A weight-only pass whose solver sees its inputs' statistics on the calibration data."""
 
     needs_data: ClassVar[bool] = True
+    own_text_default: ClassVar[bool] = True
     distributes: ClassVar[bool] = False  # forward passes, layer by layer, on this machine
     Options: ClassVar[type] = CalibratedHfOptions
 

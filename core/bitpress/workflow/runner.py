@@ -116,6 +116,14 @@ def run_workflow(
             target_kind = "onnx" if isinstance(model, OnnxPackage) else model.kind
             if target_kind not in kinds:
                 raise UsageError(f"{step.label}: pass {step.pass_.name} does not accept {target_kind} models")
+            if step.pass_.needs_data and wf.data is None and all(
+                    s.pass_.own_text_default for s in wf.steps if s.pass_.needs_data):
+                from bitpress.calibration.data import GENERATED, DataConfig
+
+                wf.data = DataConfig(source=GENERATED)
+                log.warning("%s: no calibration data given: %s calibrates on text the model writes itself (data: "
+                            "{source: generated}); give --data or 'data:' for a text of your own", step.label,
+                            step.pass_.name)
             if step.pass_.needs_data and wf.data is None:
                 raise UsageError(
                     f"{step.label}: pass {step.pass_.name} needs calibration data: give --data "

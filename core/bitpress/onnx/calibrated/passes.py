@@ -76,6 +76,7 @@ class CalibratedPass(WeightOnlyPass):
     """
 
     needs_data: ClassVar[bool] = True
+    own_text_default: ClassVar[bool] = True
     distributes: ClassVar[bool] = False  # layer by layer on this machine's threads (docs/scaling.md)
     Options: ClassVar[type] = CalibratedOptions
 
