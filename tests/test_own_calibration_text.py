@@ -260,3 +260,28 @@ def test_without_data_gptq_calibrates_on_the_models_own_text(tmp_path: Path, run
                            "--precision", "int4", "--option", "block_size=16")
     assert code != 0 and err.count("bitpress: error:") == 1 and "give calibration data (--data" in err, err
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_a_whole_olive_workflow_file_runs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Olive's file shape: input_model, passes as a mapping (one nested under Olive's older ``config``),
+    data_configs naming a Hub dataset, systems / evaluators / engine sections: the passes run, the sections read
+    past and the dataset not downloaded, each said in a warning; gptq calibrates on the model's own text."""
+    folder = _gqa(tmp_path)
+    workflow = {
+        "input_model": {"type": "ONNXModel", "model_path": str(folder)},
+        "systems": {"local_system": {"type": "LocalSystem", "accelerators": [{"device": "cpu"}]}},
+        "data_configs": [{"name": "wikitext2_train", "type": "HuggingfaceContainer",
+                          "load_dataset_config": {"data_name": "wikitext", "subset": "wikitext-2-raw-v1"}}],
+        "evaluators": {"common_evaluator": {"metrics": [{"name": "latency", "type": "latency"}]}},
+        "passes": {"gptq": {"type": "gptq", "data_config": "wikitext2_train", "precision": "int4",
+                            "config": {"block_size": 16}}},
+        "engine": {"log_severity_level": 0, "cache_dir": "cache"},
+        "output_dir": str(tmp_path / "out"),
+    }
+    with caplog.at_level(logging.WARNING):
+        bitpress.run(workflow)
+    text = caplog.text
+    assert "Olive workflow sections engine, evaluators, systems read past" in text
+    assert "Olive's data_config wikitext2_train (dataset wikitext) is not loaded" in text
+    assert "no calibration data given: gptq calibrates on text the model writes itself" in text
+    assert (tmp_path / "out" / "genai_config.json").is_file() and (tmp_path / "out" / "model.onnx").is_file()

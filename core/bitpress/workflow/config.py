@@ -186,6 +186,12 @@ def load_config(path: Path) -> dict[str, Any]:
 
 _TOP_KEYS = {"input", "output", "passes", "components", "jobs", "overwrite", "save", "data", "env_timeout",
              "input_model", "output_dir", "executor"}
+#: sections of an Olive workflow file that say where and how Olive runs and evaluates: bitpress runs the passes
+#: here and evaluates with ``bitpress eval``, so it reads past them, naming them in a warning
+OLIVE_IGNORED = ("engine", "systems", "evaluators", "evaluator", "search_strategy", "host", "target",
+                 "evaluate_input_model", "cache_dir", "clean_cache", "clean_run_cache", "log_severity_level",
+                 "output_name", "workflow_id", "packaging_config", "azureml_client", "auto_optimizer_config",
+                 "workflow_host", "python_environment_path", "verbose")
 _SAVE_KEYS = {"external_data": bool | None, "max_shard_size": int | None, "check": bool}
 _DATA_KEYS = {"source": str, "samples": int, "seq_len": int, "batch": int, "tokenizer": str | None, "seed": int}
 
@@ -329,7 +335,12 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
     bad = [k for k in config if not isinstance(k, str)]
     if bad:
         raise ConfigError(f"config keys are names (strings), got {_kind(bad[0])}")
-    unknown = sorted(set(config) - _TOP_KEYS)
+    olive = sorted(k for k in config if k in OLIVE_IGNORED)
+    if olive:
+        log.warning("Olive workflow sections %s read past: bitpress runs the passes on this machine (bitpress eval "
+                    "measures the result)", ", ".join(olive))
+    olive_data = _olive_data_configs(config)
+    unknown = sorted(set(config) - _TOP_KEYS - set(OLIVE_IGNORED) - {"data_configs"})
     if unknown:
         valid = sorted(_TOP_KEYS - {"input_model", "output_dir"})
         named = ", ".join(_did_you_mean(k, set(valid)) for k in unknown[:5])
@@ -374,8 +385,17 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
         kind = entry.pop("type")
         if not isinstance(kind, str) or not kind:
             raise ConfigError(f"{label}.type: expected a pass name (a string), got {_kind(kind)}")
+        if "data_config" in entry:  # Olive's reference to one of its data_configs
+            name = entry.pop("data_config")
+            if data is None:
+                known = f" ({olive_data[name]})" if isinstance(name, str) and name in olive_data else ""
+                log.warning("%s: Olive's data_config %s%s is not loaded (bitpress downloads no dataset): without "
+                            "'data:' the passes that can calibrate on the model's own text do so", label,
+                            name if isinstance(name, str) else _kind(name), known)
         precision = _typed(entry.pop("precision", None), str | None, f"{label}.precision")
         options = entry.pop("options", None)
+        if options is None and isinstance(entry.get("config"), dict):  # Olive's older nesting of a pass's options
+            options = entry.pop("config")
         if options is None:
             options = {}
         if not isinstance(options, dict):
@@ -428,6 +448,24 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
 OLIVE_SAVE_OPTIONS: dict[str, Any] = {"save_as_external_data": bool, "all_tensors_to_one_file": bool,
                                       "external_data_name": str | None, "size_threshold": int,
                                       "convert_attribute": bool}
+
+
+def _olive_data_configs(config: dict[str, Any]) -> dict[str, str]:
+    """Olive's ``data_configs``: ``{name: what it would load}`` (for messages); they are not loaded."""
+    raw = config.get("data_configs")
+    if raw is None:
+        return {}
+    if not isinstance(raw, list | dict):
+        raise ConfigError(f"data_configs: expected Olive's list of data configs, got {_kind(raw)}")
+    items = raw if isinstance(raw, list) else [{"name": k, **v} if isinstance(v, dict) else v for k, v in raw.items()]
+    out: dict[str, str] = {}
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ConfigError(f"data_configs: each entry is a mapping with a name, got {_kind(item)}")
+        load = item.get("load_dataset_config")
+        what = load.get("data_name") if isinstance(load, dict) else None
+        out[item["name"]] = f"dataset {what}" if isinstance(what, str) else str(item.get("type", "a data config"))
+    return out
 
 
 def _olive_save_options(cls: type[Pass], options: dict[str, Any], label: str) -> bool | None:
