@@ -285,3 +285,44 @@ def test_a_whole_olive_workflow_file_runs(tmp_path: Path, caplog: pytest.LogCapt
     assert "Olive's data_config wikitext2_train (dataset wikitext) is not loaded" in text
     assert "no calibration data given: gptq calibrates on text the model writes itself" in text
     assert (tmp_path / "out" / "genai_config.json").is_file() and (tmp_path / "out" / "model.onnx").is_file()
+
+
+def test_olive_tokenizer_dir_is_the_calibration_tokenizer(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Olive's per-pass ``tokenizer_dir`` (NVModelOptQuantization's) is bitpress's ``--tokenizer``: relative to the
+    config file, used for a text given as data, and for the model's own text without data; two different ones,
+    or one against ``data: tokenizer``, are refused in one line."""
+    import shutil
+
+    from bitpress.workflow.config import build_workflow, load_config
+
+    folder = _gqa(tmp_path)
+    (tmp_path / "tok").mkdir()
+    shutil.move(folder / "tokenizer.json", tmp_path / "tok" / "tokenizer.json")
+    write_text(tmp_path / "calib.txt", 400, 0)
+
+    def config(**data: Any) -> Path:
+        path = tmp_path / "w.json"
+        entry = {"type": "gptq", "precision": "int4", "block_size": 16, "tokenizer_dir": "tok"}
+        path.write_text(json.dumps({"input": "gqa", "output": "out", "passes": [entry],
+                                    **({"data": data} if data else {})}))
+        return path
+
+    wf = build_workflow(load_config(config(source="calib.txt", samples=4, seq_len=16)))
+    assert wf.data.tokenizer == str(tmp_path / "tok") and wf.tokenizer is None
+    own = build_workflow(load_config(config()))
+    assert own.data is None and own.tokenizer == str(tmp_path / "tok")
+    with pytest.raises(ConfigError, match=r"tokenizer_dir=.*tok contradicts data.tokenizer=.*other"):
+        build_workflow(load_config(config(source="calib.txt", tokenizer="other")))
+    two = {"input": str(folder), "output": str(tmp_path / "o"),
+           "passes": [{"type": "rtn", "tokenizer_dir": "a"}, {"type": "rtn", "bits": 8, "tokenizer_dir": "b"}]}
+    with pytest.raises(ConfigError, match=r"passes\[1\].tokenizer_dir=b differs from passes\[0\].tokenizer_dir=a"):
+        build_workflow(two)
+    with caplog.at_level(logging.WARNING):  # the model's own text, read with that tokenizer
+        bitpress.run(config())
+    assert "calibrates on text the model writes itself" in caplog.text
+    assert (tmp_path / "out" / "model.onnx").is_file()
+    bitpress.run(config(source="calib.txt", samples=4, seq_len=16), overwrite=True)  # the text, read with it
+    assert (tmp_path / "out" / "model.onnx").is_file()
+    shutil.rmtree(tmp_path / "tok")  # the tokenizer was what it read: without it, the run stops in one line
+    with pytest.raises(BitpressError, match="tok"):
+        bitpress.run(config(source="calib.txt", samples=4, seq_len=16), overwrite=True)

@@ -767,10 +767,19 @@ def build_genai_folder(
             "temperature": 1.0, "top_k": 1, "top_p": 1.0,
         },
     }
-    files = {"genai_config.json": genai, **_tokenizer_files(vocab, context)}
-    for name, content in files.items():
-        (folder / name).write_text(json.dumps(content, indent=4) + "\n")
+    (folder / "genai_config.json").write_text(json.dumps(genai, indent=4) + "\n")
+    write_tokenizer(folder, vocab=vocab, context=context)
     return folder
+
+
+def write_tokenizer(folder: str | os.PathLike[str], *, vocab: int = 256, context: int = 128) -> Path:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json of a minimal fast tokenizer
+    (WordLevel, ``<unk>`` 0, ``<s>`` 1 added as BOS, ``</s>`` 2, ``tok3`` ...) in ``folder``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, content in _tokenizer_files(vocab, context).items():
+        (folder / name).write_text(json.dumps(content, indent=4) + "\n")
+    return folder / "tokenizer.json"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,10 +39,11 @@ from onnx import TensorProto, helper, numpy_helper
 if importlib.util.find_spec("modelopt") is None or importlib.util.find_spec("torch") is None:
     pytest.skip("NVIDIA ModelOpt is not installed here (bitpress env create modelopt)", allow_module_level=True)
 
+import bitpress
 from bitpress import synthetic, testing
 from bitpress.api import quantize
 from bitpress.cpu import int8_saturates
-from bitpress.errors import QuantizationError, UsageError
+from bitpress.errors import BitpressError, QuantizationError, UsageError
 from bitpress.testing import (
     initializer_protos,
     load_proto,
@@ -449,6 +450,39 @@ def test_cli_quantize_and_olive_style_recipe(run_cli, cli_logging, decoder: Path
     assert code == 0, err
     bits = collections.Counter(a["bits"] for a in _nbits(tmp_path / "olive.onnx").values())
     assert bits == {8: 10, 4: 4}
+
+
+def test_the_seeds_layers_8bit_example_as_written(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Olive's example as the seed writes it: tokenizer_dir, no data (the model's own text, read with that
+    tokenizer), and ``layers_8bit`` naming lm_head, which ModelOpt's default exclusion would leave in float."""
+    synthetic.build_decoder(tmp_path / "model" / "model.onnx", hidden=128, layers=3, heads=4, vocab=256,
+                            tied=False)
+    synthetic.write_tokenizer(tmp_path / "tok", vocab=256)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(textwrap.dedent("""\
+        input_model: {type: ONNXModel, model_path: model/model.onnx}
+        output_dir: out
+        passes:
+          quantization:
+            type: NVModelOptQuantization
+            algorithm: awq
+            tokenizer_dir: tok
+            calibration_method: awq_lite
+            layers_8bit: "model.layers.0,model.layers.1,lm_head"
+        """))
+    with caplog.at_level(logging.INFO, logger="bitpress"), caplog.at_level(logging.INFO, logger="bitpress_modelopt"):
+        result = bitpress.run(recipe)
+    assert "calibrates on text the model writes itself" in caplog.text
+    assert "layers_8bit names /lm_head/MatMul, which ModelOpt's default nodes_to_exclude leaves in float" in \
+        caplog.text
+    out = Path(result.output)
+    nb = _nbits(out if out.suffix == ".onnx" else out / "model.onnx")
+    eight = {k for k, a in nb.items() if a["bits"] == 8}
+    assert eight == {*(n for n in LINEARS), "/lm_head/MatMul"}
+    assert {k for k, a in nb.items() if a["bits"] == 4} == {n.replace("layers.0", "layers.2") for n in LINEARS[:7]}
+    (tmp_path / "tok" / "tokenizer.json").unlink()  # the tokenizer named is the one read
+    with pytest.raises(BitpressError, match="tok"):
+        bitpress.run(recipe, overwrite=True)
 
 
 # -- containment of ModelOpt's side effects -----------------------------------------------------------------

@@ -54,6 +54,9 @@ class Workflow:
     isolate: bool = False
     #: where per-tensor work runs (``executor:``, ``--executor``): a bitpress.executors.ExecutorSpec; None: threads
     executor: Any = None
+    #: the tokenizer a pass named (Olive's ``tokenizer_dir``) while no ``data`` was given: the one the model's own
+    #: calibration text is read with, when the run gives a pass that text
+    tokenizer: str | None = None
 
 
 # -- building a workflow from a config --------------------------------------------------------
@@ -172,6 +175,11 @@ def load_config(path: Path) -> dict[str, Any]:
             data[key] = relative(data[key])
     if isinstance(data.get("input_model"), dict) and "model_path" in data["input_model"]:  # Olive-style
         data["input_model"] = {**data["input_model"], "model_path": relative(data["input_model"]["model_path"])}
+    passes = data.get("passes")  # Olive's tokenizer_dir on a pass (or in its options / older config nesting)
+    for entry in passes.values() if isinstance(passes, dict) else passes if isinstance(passes, list) else ():
+        for where in (entry, entry.get("options"), entry.get("config")) if isinstance(entry, dict) else ():
+            if isinstance(where, dict) and isinstance(where.get("tokenizer_dir"), str):
+                where["tokenizer_dir"] = relative(where["tokenizer_dir"])
     # calibration data files too (a source string, or a mapping's source / tokenizer)
     calib = data.get("data")
     if isinstance(calib, str):
@@ -378,6 +386,7 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
     if raw_passes is None:
         raise ConfigError("the config needs a non-empty 'passes' list")
     steps = []
+    tokenizers: list[tuple[str, str]] = []  # (label, Olive's tokenizer_dir)
     model_kind: str | None = None
     for label, entry in _pass_entries(raw_passes):
         entry = dict(entry)
@@ -422,6 +431,9 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
                 raise
             raise PassNotFoundError(f"{label}.{where}: {exc}") from None
         precision = canonical_precision(cls, precision)  # INT4 -> int4, as the pass declares it
+        if "tokenizer_dir" in options and "tokenizer_dir" not in _own_options(cls):
+            tokenizers.append((label, _typed(olive_single(options.pop("tokenizer_dir"), str, "tokenizer_dir", label),
+                                             str, f"{label}.tokenizer_dir")))
         if "onnx" in cls.model_kinds:
             external = _olive_save_options(cls, options, label)
             if external is not None:
@@ -438,10 +450,38 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
             # seconds; only used when the pass runs in a plugin environment
             pass_.env_timeout = env_timeout  # type: ignore[attr-defined]
         steps.append(PassStep(pass_, label, isolate=isolate))
+    data, tokenizer = _olive_tokenizer(data, tokenizers)
     return Workflow(
         input=Path(src), output=Path(dst), steps=steps, components=comps,
-        jobs=jobs, overwrite=overwrite, save=save_opts, data=data, executor=executor,
+        jobs=jobs, overwrite=overwrite, save=save_opts, data=data, executor=executor, tokenizer=tokenizer,
     )
+
+
+def _own_options(cls: type[Pass]) -> set[str]:
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(cls.Options)} if dataclasses.is_dataclass(cls.Options) else set()
+
+
+def _olive_tokenizer(data: Any, tokenizers: list[tuple[str, str]]) -> tuple[Any, str | None]:
+    """Olive's per-pass ``tokenizer_dir`` is bitpress's ``--tokenizer`` (``data: tokenizer``): the calibration
+    data's tokenizer, one for the run. Returns the data (with it) and, without data, the tokenizer for the
+    model's own text."""
+    import dataclasses
+
+    if not tokenizers:
+        return data, None
+    label, tokenizer = tokenizers[0]
+    for other_label, other in tokenizers[1:]:
+        if other != tokenizer:
+            raise ConfigError(f"{other_label}.tokenizer_dir={other} differs from {label}.tokenizer_dir={tokenizer}: "
+                              "a run reads its calibration data with one tokenizer (data: tokenizer)")
+    if data is None:
+        return None, tokenizer
+    if data.tokenizer is not None and Path(data.tokenizer) != Path(tokenizer):
+        raise ConfigError(f"{label}.tokenizer_dir={tokenizer} contradicts data.tokenizer={data.tokenizer} (or "
+                          "--tokenizer): give the calibration data's tokenizer once")
+    return dataclasses.replace(data, tokenizer=tokenizer), None
 
 
 #: Olive's save options of every ONNX pass, with their types: read here, not by the pass
@@ -472,11 +512,9 @@ def _olive_save_options(cls: type[Pass], options: dict[str, Any], label: str) ->
     """Take Olive's common save options out of an ONNX pass's ``options`` (unless the pass has options of those
     names itself): ``save_as_external_data`` is returned (the output's ``save.external_data``); the others are
     what bitpress does already, or named in a warning saying what it does instead."""
-    import dataclasses
-
     from bitpress.onnx.save import INLINE_THRESHOLD
 
-    own = {f.name for f in dataclasses.fields(cls.Options)} if dataclasses.is_dataclass(cls.Options) else set()
+    own = _own_options(cls)
     found = {k: options.pop(k) for k in list(options) if k in OLIVE_SAVE_OPTIONS and k not in own}
     for key, value in found.items():
         found[key] = _typed(olive_single(value, OLIVE_SAVE_OPTIONS[key], key, label), OLIVE_SAVE_OPTIONS[key],

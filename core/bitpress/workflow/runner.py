@@ -120,7 +120,7 @@ def run_workflow(
                     s.pass_.own_text_default for s in wf.steps if s.pass_.needs_data):
                 from bitpress.calibration.data import GENERATED, DataConfig
 
-                wf.data = DataConfig(source=GENERATED)
+                wf.data = DataConfig(source=GENERATED, tokenizer=wf.tokenizer)
                 log.warning("%s: no calibration data given: %s calibrates on text the model writes itself (data: "
                             "{source: generated}); give --data or 'data:' for a text of your own", step.label,
                             step.pass_.name)

@@ -96,7 +96,7 @@ class ModelOptInt4Options:
     block_size: int = option(128, "weights per block along K: a power of two from 16 to 256")
     nodes_to_exclude: list[str] | None = option(
         None, "nodes left in float (exact names, globs or re:REGEX). Unset: the LM head (nodes named /lm_head*, "
-        "as ModelOpt's own default); [] quantizes the LM head too"
+        "as ModelOpt's own default, unless layers_8bit names it); [] quantizes the LM head too"
     )
     enable_mixed_quant: bool = option(
         False, "ModelOpt's default mixed precision: per-channel int8 for the qkv/v_proj and down_proj MatMuls of "
@@ -161,6 +161,8 @@ class ModelOptInt4Pass(_ModelOptPass):
     precisions = ("int4",)
     #: the default algorithm (awq) calibrates; an rtn instance says False (see __init__)
     needs_data = True
+    #: Olive's examples give no data (Olive would download a dataset): awq then calibrates on the model's own text
+    own_text_default = True
     summary = "NVIDIA ModelOpt int4 weight-only (AWQ lite / clip or RTN; int8 layers; MatMulNBits or QDQ)"
     Options: ClassVar[type] = ModelOptInt4Options
 
@@ -184,6 +186,16 @@ class ModelOptInt4Pass(_ModelOptPass):
                                    "nodes_excluded": len(excluded)}
 
         def check(moq: Any) -> None:
+            if o.layers_8bit and o.nodes_to_exclude is None:
+                # a layer the user names for 8 bits is quantized although ModelOpt's default leaves it out
+                named = _default_excluded_named(o.layers_8bit, excluded)
+                if named:
+                    log.info("%s: layers_8bit names %s, which ModelOpt's default nodes_to_exclude leaves in float: "
+                             "quantized at 8 bits", self.name, ", ".join(named))
+                    excluded[:] = [n for n in excluded if n not in named]
+                    quantizable[:] = _quantizable(model, excluded)
+                    call.kwargs["nodes_to_exclude"] = exact_patterns(excluded)
+                    details["nodes_excluded"] = len(excluded)
             if not quantizable:
                 raise UsageError(
                     f"{self.name}: {model.source.name} has no MatMul / Gemm with a constant weight left to quantize"
@@ -211,6 +223,14 @@ class ModelOptInt4Pass(_ModelOptPass):
         return run_modelopt(model, context, pass_name=self.name, call=call, check=check,
                             to_nbits=resolve_accuracy_level(o.accuracy_level, "cpu") if o.output_format == "matmulnbits"
                             else None)
+
+
+def _default_excluded_named(patterns: str, excluded: list[str]) -> list[str]:
+    """The nodes of the default exclusion (the LM head) that ``layers_8bit`` names."""
+    from modelopt.onnx.quantization.graph_utils import should_quantize_to_8bit
+
+    wanted = [p.strip() for p in patterns.split(",") if p.strip()]
+    return [n for n in excluded if should_quantize_to_8bit(n, wanted)]
 
 
 def _layers_8bit(pass_name: str, patterns: str, quantizable: list[str]) -> list[str]:
