@@ -42,6 +42,7 @@ import pytest
 if importlib.util.find_spec("quark") is None or importlib.util.find_spec("torch") is None:
     pytest.skip("AMD Quark is not installed here (bitpress env create quark)", allow_module_level=True)
 
+import bitpress
 from bitpress import synthetic
 from bitpress.api import quantize
 from bitpress.cpu import FLAGS_VAR, int8_saturates
@@ -340,6 +341,146 @@ def test_int4_external_data_input(tiny_decoder: Path, tiny_decoder_external: Pat
     ext = _run(tiny_decoder_external, tmp_path, "quark_int4", name="ext", block_size=32)
     feeds = synthetic.random_inputs(tiny_decoder, batch=1, seq=8, seed=3)
     np.testing.assert_array_equal(session(inline).run(None, feeds)[0], session(ext).run(None, feeds)[0])
+
+
+# -- Olive's QuarkQuantization ------------------------------------------------------------------------
+SEED_GLOBAL = {"activation": {"data_type": "UInt8", "calibration_method": "Percentile"},
+               "weight": {"data_type": "Int8", "calibration_method": "MinMax"}}
+DOWN = "/model/layers.1/mlp/down_proj/MatMul"
+
+
+def _input_of(path: Path, node: str, index: int = 0) -> str:
+    return next(n.input[index] for n in onnx.load(str(path)).graph.node if n.name == node)
+
+
+def _quantized_input(path: Path, node: str) -> np.dtype | None:
+    """The zero point dtype of the QDQ pair in front of ``node``'s activation input (None: float)."""
+    proto = onnx.load(str(path))
+    by_output = {o: n for n in proto.graph.node for o in n.output}
+    dq = by_output.get(_input_of(path, node))
+    if dq is None or dq.op_type != "DequantizeLinear":
+        return None
+    return initializers(proto)[dq.input[2]].dtype
+
+
+def test_olive_quark_quantization_as_the_seed_writes_it(tiny_decoder: Path, tmp_path: Path) -> None:
+    """The seed's ONNX example, as a recipe: UInt8 activations calibrated by percentile, Int8 MinMax weights;
+    Olive's data_config name stands for the recipe's data."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(json.dumps({"input": str(tiny_decoder), "output": str(tmp_path / "seed.onnx"), "data": DATA,
+                                  "passes": [{"type": "QuarkQuantization", "data_config": "calib_data_config",
+                                              "global_config": SEED_GLOBAL}]}))
+    bitpress.run(recipe)
+    out = tmp_path / "seed.onnx"
+    proto = onnx.load(str(out))
+    inits = initializers(proto)
+    acts = {n.input[0]: inits[n.input[2]].dtype for n in proto.graph.node
+            if n.op_type == "DequantizeLinear" and n.input[0] not in inits}
+    # UInt8 activations; the embedding Gather's output keeps its Int8 table's type (Quark's rule)
+    embedding = "/model/embed_tokens/Gather_output_0_QuantizeLinear_Output"
+    assert {k for k, t in acts.items() if t != np.uint8} == {embedding}
+    assert zero_point_types(out)[0] == {np.dtype(np.int8)}
+    assert_plain_onnx(out)
+    err = output_error(tiny_decoder, out)
+    assert 1e-3 < err < 0.055, err  # measured .028 VNNI (reduce_range false), .036 with 7-bit weights (AVX2's auto)
+    minmax = _run(tiny_decoder, tmp_path, "quark", DATA, name="minmax", global_config={
+        "activation": {"data_type": "UInt8", "calibration_method": "MinMax"}, "weight": {"data_type": "Int8"}})
+    pct, mm = activation_scales(out), activation_scales(minmax)
+    assert pct.keys() == mm.keys() and sum(pct[k] < mm[k] for k in pct) > len(pct) // 2  # percentile clips
+
+
+def test_olive_quark_per_layer_op_type_and_exclude(tiny_decoder: Path, tmp_path: Path) -> None:
+    """specific_layer_config gives one MatMul Int16 activations (com.microsoft Q/DQ, loads in plain ONNX
+    Runtime); layer_type_config null leaves an op type in float; exclude leaves a node in float; a name that
+    is not in the model is refused before any work."""
+    q = "/model/layers.0/self_attn/q_proj/MatMul"
+    out = _run(tiny_decoder, tmp_path, "quark", DATA, name="mixed", global_config=SEED_GLOBAL,
+               specific_layer_config=[[{"activation": {"data_type": "Int16"}, "weight": {"data_type": "Int8"}},
+                                       [DOWN]]], exclude=[q])
+    assert _quantized_input(out, DOWN) == np.dtype(np.int16)
+    assert _quantized_input(out, "/model/layers.0/mlp/down_proj/MatMul") == np.dtype(np.uint8)
+    assert _input_of(out, q, 1) in initializers(out) and initializers(out)[_input_of(out, q, 1)].dtype == np.float32
+    assert_plain_onnx(out)
+    assert output_error(tiny_decoder, out) < 0.055  # measured .028 (VNNI)
+    no_mm = _run(tiny_decoder, tmp_path, "quark", DATA, name="nomm", global_config=SEED_GLOBAL,
+                 layer_type_config=[[None, ["MatMul"]]])
+    assert not weight_scales(no_mm) and op_counts(no_mm)["DequantizeLinear"] > 0
+    with pytest.raises(UsageError, match="exclude: no node named '/model/nope'"):
+        _run(tiny_decoder, tmp_path, "quark", DATA, name="bad", exclude=["/model/nope"])
+    assert not (tmp_path / "bad.onnx").exists()
+
+
+def _gemm_relu_gemm(path: Path) -> Path:
+    """``Gemm -> Relu -> Gemm`` with biases, output channels of the first scaled from 0.1x to 3x (what CLE evens)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w1 = (rng.normal(0, 0.1, (64, 64)) * np.linspace(0.1, 3, 64)).astype(np.float32)
+    w2 = rng.normal(0, 0.1, (64, 64)).astype(np.float32)
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Gemm", ["r", "w2", "b2"], ["y"], name="fc2")]
+    inits = [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2"),
+             numpy_helper.from_array(np.full(64, 0.1, np.float32), "b1"),
+             numpy_helper.from_array(np.zeros(64, np.float32), "b2")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 64])], inits)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_olive_quark_algorithms_change_what_they_claim(tiny_decoder: Path, tmp_path: Path) -> None:
+    """Each algorithm changes what it works on, the data and config otherwise the same: cle the weight scales of a
+    Gemm -> Relu -> Gemm pair, bias_correction its biases, smooth_quant the decoder's MatMuls (a smoothing Mul
+    before each). Each is a no-op where its pattern is missing (cle and bias_correction on the biasless decoder)."""
+    gemms = _gemm_relu_gemm(tmp_path / "gemm" / "model.onnx")
+
+    def changed(src: Path, algo: dict[str, object]) -> list[str]:
+        where = tmp_path / f"{src.parent.name}-{algo['name']}"
+        base = initializers(_run(src, where, "quark", DATA, name="base", global_config=SEED_GLOBAL))
+        got = initializers(_run(src, where, "quark", DATA, name="algo", global_config=SEED_GLOBAL, algo_config=[algo]))
+        return [k for k in base if k in got and got[k].shape == base[k].shape and not np.array_equal(got[k], base[k])]
+
+    assert {"w1_scale", "w2_scale"} <= set(changed(gemms, {"name": "cle"}))
+    assert {"b1_quantized", "b2_quantized"} <= set(changed(gemms, {"name": "bias_correction"}))
+    smoothed = changed(tiny_decoder, {"name": "smooth_quant", "alpha": 0.5})
+    assert "model.layers.0.self_attn.q_proj.weight_scale" in smoothed
+    smooth = tmp_path / f"{tiny_decoder.parent.name}-smooth_quant" / "algo.onnx"
+    assert output_error(tiny_decoder, smooth) < 0.055  # measured .030 (VNNI)
+    assert not changed(tiny_decoder, {"name": "bias_correction"})
+
+
+def test_olive_quark_dynamic_and_qoperator(tiny_decoder: Path, tmp_path: Path) -> None:
+    dyn = _run(tiny_decoder, tmp_path, "quark", None, name="dyn", quant_mode="dynamic")
+    assert op_counts(dyn)["DynamicQuantizeLinear"] > 0 and op_counts(dyn)["MatMulInteger"] > 0
+    assert output_error(tiny_decoder, dyn) < 0.02  # measured .012 VNNI, .013 with 7-bit weights
+    qop = _run(tiny_decoder, tmp_path, "quark", DATA, name="qop", quant_format="QOperator", global_config=SEED_GLOBAL)
+    assert op_counts(qop)["QLinearMatMul"] == 19
+    assert output_error(tiny_decoder, qop) < 0.055  # measured .029 (VNNI)
+
+
+def test_quark_custom_op_types_do_not_load_in_onnx_runtime(tiny_decoder: Path, tmp_path: Path) -> None:
+    """Why QuarkQuantization refuses BFP16 / MX types: Quark writes them as its own operators, which plain ONNX
+    Runtime cannot load (Quark's own API, called directly)."""
+    import onnxruntime as ort
+    from quark.onnx.quantization.config.config import QConfig
+    from quark.onnx.quantization.config.spec import BFP16Spec, QLayerConfig
+
+    from bitpress_quark.sandbox import import_quark
+
+    quark_onnx = import_quark()
+    out = tmp_path / "bfp.onnx"
+    feeds = [synthetic.random_inputs(tiny_decoder, batch=1, seq=8, seed=s) for s in range(2)]
+    reader = iter(feeds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quark_onnx.ModelQuantizer(QConfig(global_config=QLayerConfig(input_tensors=BFP16Spec(), weight=BFP16Spec()))
+                                  ).quantize_model(str(tiny_decoder), str(out), type("R", (), {
+                                      "get_next": lambda self: next(reader, None)})())
+    assert any(n.domain == "com.amd.quark" for n in onnx.load(str(out)).graph.node)
+    with pytest.raises(Exception, match=r"com\.amd\.quark"):
+        ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
 
 
 def test_quark_external_data_output(tiny_decoder: Path, tmp_path: Path, monkeypatch) -> None:

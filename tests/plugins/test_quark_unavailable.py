@@ -20,7 +20,7 @@ from bitpress.testing import assert_plugin_loaded, run_python, unavailable_regis
 if importlib.util.find_spec("quark") is not None:
     pytest.skip("AMD Quark is installed here; see test_quark.py", allow_module_level=True)
 
-QUARK_PASSES = ("quark_dynamic", "quark_int4", "quark_static")
+QUARK_PASSES = ("quark", "quark_dynamic", "quark_int4", "quark_static")
 HINT = (
     'install it with: bitpress env create quark (an isolated environment, recommended: Quark pins '
     'onnx<=1.22.0) or pip install "bitpress[quark]"'
@@ -79,8 +79,8 @@ def test_quantize_fails_with_the_install_command(
 
 def test_plugin_import_does_not_import_the_toolkit() -> None:
     # a fresh process: other tests of the session may have imported torch
-    code = ("import sys, bitpress_quark; print(sorted(c.name for c in bitpress_quark.passes.PASSES), "
-            "'torch' in sys.modules)")
+    code = ("import sys, bitpress_quark; print(sorted(c.name for c in (*bitpress_quark.passes.PASSES, "
+            "bitpress_quark.QuarkQuantizationPass)), 'torch' in sys.modules)")
     proc = run_python(code, timeout=120)
     assert proc.stdout.split("]")[0] + "]" == str(sorted(QUARK_PASSES)) and proc.stdout.split()[-1] == "False"
 
@@ -99,3 +99,40 @@ def test_options_are_checked_without_quark() -> None:
     p = QuarkStaticPass.from_config({"quant_format": "qoperator", "nodes_to_exclude": "a,b", "per_channel": "yes"})
     assert p.options.quant_format == "qoperator" and p.options.nodes_to_exclude == ["a", "b"]
     assert p.options.per_channel is True
+
+
+def test_olive_quark_quantization_configs_are_checked_without_quark() -> None:
+    """Olive's QuarkQuantization shapes: read as Olive writes them (``MinMax`` or ``CalibMethod.MinMax``,
+    ``activation`` for Quark's ``input_tensors``), and what cannot run in plain ONNX Runtime, or is not run, refused
+    in one line before any work."""
+    from bitpress_quark import QuarkQuantizationPass
+
+    seed = {"activation": {"data_type": "UInt8", "calibration_method": "Percentile"},
+            "weight": {"data_type": "Int8", "calibration_method": "CalibMethod.MinMax"}}
+    parsed = QuarkQuantizationPass.from_config({"global_config": seed}).options.parsed()
+    assert parsed["global"] == {"input_tensors": {"data_type": "UInt8", "calibration_method": "Percentile"},
+                                "weight": {"data_type": "Int8", "calibration_method": "MinMax"}}
+    assert QuarkQuantizationPass.from_config({"quant_mode": "dynamic"}).needs_data is False
+    refused = {
+        "BFP16: Quark writes it as its own custom operators": {"global_config": {
+            "activation": {"data_type": "BFP16"}, "weight": {"data_type": "BFP16"}}},
+        "give both activation and weight": {"global_config": {"weight": {"data_type": "Int8"}}},
+        "data_type is required": {"global_config": {"activation": {"symmetric": True},
+                                                    "weight": {"data_type": "Int8"}}},
+        "calibration_method Best: choose one of MinMax": {"global_config": {
+            "activation": {"data_type": "Int8", "calibration_method": "Best"}, "weight": {"data_type": "Int8"}}},
+        "give activation .Olive's name. or input_tensors": {"global_config": {
+            "activation": {"data_type": "Int8"}, "input_tensors": {"data_type": "Int8"},
+            "weight": {"data_type": "Int8"}}},
+        "gptq: Quark's ONNX GPTQ solves int4": {"algo_config": [{"name": "gptq"}]},
+        "smooth_quant has no option.s. beta": {"algo_config": [{"name": "smooth_quant", "beta": 1}]},
+        "TensorsRangeFile not passed to Quark": {"extra_options": {"TensorsRangeFile": "/etc/x"}},
+        "a null config .left in float. belongs in exclude": {"specific_layer_config": [[None, ["a"]]]},
+        "quant_mode dynamic: ONNX Runtime quantizes activations to UInt8": {"quant_mode": "dynamic", "global_config": {
+            "activation": {"data_type": "Int8"}, "weight": {"data_type": "Int8"}}},
+        "quant_format QOperator: per-layer configs need QDQ": {"quant_format": "QOperator", "specific_layer_config": [
+            [{"activation": {"data_type": "Int16"}, "weight": {"data_type": "Int8"}}, ["n"]]]},
+    }
+    for message, options in refused.items():
+        with pytest.raises(OptionError, match=message):
+            QuarkQuantizationPass.from_config(options)

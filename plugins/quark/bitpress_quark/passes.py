@@ -152,7 +152,7 @@ class QuarkStaticPass(_QuarkPass):
         feeds = calibration_feeds(model, context.data)
         reduce_range = self._reduce_range(o.reduce_range)
 
-        def make_config(quark_onnx: Any, tmp: Path, external: bool) -> Any:
+        def make_config(quark_onnx: Any, tmp: Path, external: bool, src: Path) -> Any:
             from onnxruntime.quantization.quant_utils import QuantFormat
             from quark.onnx.quantization.config.config import Config
             from quark.onnx.quantization.config.legacy import QuantizationConfig
@@ -223,7 +223,7 @@ class QuarkDynamicPass(_QuarkPass):
         o: QuarkDynamicOptions = self.options
         reduce_range = self._reduce_range(o.reduce_range)
 
-        def make_config(quark_onnx: Any, tmp: Path, external: bool) -> Any:
+        def make_config(quark_onnx: Any, tmp: Path, external: bool, src: Path) -> Any:
             from quark.onnx.quantization.config.config import Config
             from quark.onnx.quantization.config.legacy import QuantizationConfig
             from quark.onnx.quantizers.registry import IntegerOpsRegistry
@@ -295,7 +295,7 @@ class QuarkInt4Pass(_QuarkPass):
         symmetric = o.algorithm == "default" if o.symmetric is None else o.symmetric
         level = resolve_accuracy_level(o.accuracy_level, "cpu")
 
-        def make_config(quark_onnx: Any, tmp: Path, external: bool) -> Any:
+        def make_config(quark_onnx: Any, tmp: Path, external: bool, src: Path) -> Any:
             from quark.onnx.quantization.config.config import Config
             from quark.onnx.quantization.config.legacy import QuantizationConfig
 

@@ -52,13 +52,14 @@ def run_quark(
     *,
     pass_name: str,
     mode: str,
-    make_config: Callable[[Any, Path, bool], Any],
+    make_config: Callable[[Any, Path, bool, Path], Any],
     feeds: list[dict[str, np.ndarray]] | None,
     quantized_ops: tuple[str, ...],
     post: Callable[[onnx.ModelProto], None] | None = None,
     check_messages: Callable[[QuarkMessages], None] | None = None,
 ) -> OnnxModel:
-    """Run ``ModelQuantizer(make_config(quark_onnx, tmp_dir, external)).quantize_model`` on ``model``.
+    """Run ``ModelQuantizer(make_config(quark_onnx, tmp_dir, external, src)).quantize_model`` on ``model``
+    (``src``: the model as Quark reads it, for configs that look at its nodes).
 
     ``quantized_ops``: op types of which the output must hold at least one (Quark returns the
     float model, with a warning only, when it finds nothing to quantize). ``post`` edits the
@@ -70,7 +71,7 @@ def run_quark(
         t0 = time.perf_counter()
         quark_onnx = import_quark()
         with contained(ws.folder) as messages:
-            config = make_config(quark_onnx, ws.tmp, ws.external)
+            config = make_config(quark_onnx, ws.tmp, ws.external, src)
             reader = FeedReader(feeds) if feeds is not None else None
             try:
                 quark_onnx.ModelQuantizer(config).quantize_model(str(src), str(dest), reader)
