@@ -249,10 +249,12 @@ def test_without_data_gptq_calibrates_on_the_models_own_text(tmp_path: Path, run
     from bitpress.synthetic import build_encoder
 
     folder = _gqa(tmp_path)
-    code, _, err = run_cli("quantize", "-m", folder, "-o", tmp_path / "out", "--algorithm", "gptq", "--precision",
-                           "int4", "--option", "block_size=16")
+    code, out, err = run_cli("quantize", "-m", folder, "-o", tmp_path / "out", "--algorithm", "gptq", "--precision",
+                             "int4", "--option", "block_size=16")
     assert code == 0, err
     assert "no calibration data given: gptq calibrates on text the model writes itself" in err
+    assert "calibrates on text the model writes itself" in next(line for line in out.splitlines()
+                                                                if line.startswith("note: "))  # the run report too
     enc = tmp_path / "enc"
     build_encoder(enc / "model.onnx", hidden=VOCAB, layers=1, vocab=VOCAB)
     write_tokenizer(enc)

@@ -179,6 +179,19 @@ def test_perplexity_with_a_text(models: Path, tmp_path: Path) -> None:
     assert "perplexity change" in (tmp_path / "out" / "report.html").read_text()
 
 
+def test_gptq_without_data_calibrates_on_the_models_own_text(tmp_path: Path) -> None:
+    """As in a run: gptq in a sweep without data calibrates on the model's own text (each job the same seeded
+    windows); a pass that cannot use own text still needs data (test_validation_errors_are_one_line)."""
+    from test_calibration_text import build_gqa_decoder, write_tokenizer
+
+    folder = tmp_path / "gqa"
+    build_gqa_decoder(folder)
+    write_tokenizer(folder)
+    cfg = write_config(tmp_path, models=[str(folder)], passes=["gptq"], grid={"block_size": [16, 32]}, output="out")
+    result = bitpress.sweep(cfg, jobs=1)
+    assert not result.failed and len(result.rows) == 2, result.failed
+
+
 # -- resume ----------------------------------------------------------------------------------------
 def _job_processes(out: Path) -> list[int]:
     """The job processes (python -m bitpress.sweep.job) still running for the sweep in ``out``."""
@@ -294,7 +307,7 @@ def test_a_failing_job_is_recorded_and_the_sweep_goes_on(models: Path, tmp_path:
     ({"passes": [{"type": "rtn", "block_size": 32}]}, r"unknown key 'block_size'.*options: \{block_size: \.\.\.\}"),
     ({"grid": {"nstep": [10]}, "passes": ["rtn"]}, r"grid\.nstep: no pass of the sweep has an option nstep"),
     ({"eval": {"text": "no.txt"}}, r"eval\.text: .*no\.txt does not exist"),
-    ({"passes": ["gptq"]}, r"passes\[0\]: pass gptq needs calibration data"),
+    ({"passes": ["ort_static"]}, r"passes\[0\]: pass ort_static needs calibration data"),
 ])
 def test_validation_errors_are_one_line(models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                         change: dict[str, Any], message: str) -> None:

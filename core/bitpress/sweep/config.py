@@ -252,7 +252,8 @@ def parse_sweep(config: dict[str, Any], registry: Registry | None = None) -> Swe
             both = sorted(set(fixed) & set(grid))
             if both:
                 raise ConfigError(f"{where}: {both[0]} is both a fixed option and in the grid; keep one of them")
-            if cls.needs_data and data is None:
+            # gptq / awq without data calibrate on the model's own text in each run (the same seeded windows)
+            if cls.needs_data and data is None and not cls.own_text_default:
                 raise ConfigError(f"{where}: pass {cls.name} needs calibration data: give 'data:' in the sweep config "
                                   "(random, a .npz file or folder, or a .txt file with a tokenizer)")
             keys = list(grid)

@@ -111,6 +111,7 @@ def run_workflow(
         from bitpress.hf.calibrated_pass import check_order
 
         check_order([s.pass_ for s in wf.steps])  # a calibration pass needs a clean float model: refused up front
+        own_text = ""
         for step in wf.steps:
             kinds = step.pass_.model_kinds
             target_kind = "onnx" if isinstance(model, OnnxPackage) else model.kind
@@ -121,9 +122,9 @@ def run_workflow(
                 from bitpress.calibration.data import GENERATED, DataConfig
 
                 wf.data = DataConfig(source=GENERATED, tokenizer=wf.tokenizer)
-                log.warning("%s: no calibration data given: %s calibrates on text the model writes itself (data: "
-                            "{source: generated}); give --data or 'data:' for a text of your own", step.label,
-                            step.pass_.name)
+                own_text = (f"{step.label}: no calibration data given: {step.pass_.name} calibrates on text the model "
+                            "writes itself (data: {source: generated}); give --data or 'data:' for a text of your own")
+                log.warning("%s", own_text)
             if step.pass_.needs_data and wf.data is None:
                 raise UsageError(
                     f"{step.label}: pass {step.pass_.name} needs calibration data: give --data "
@@ -136,6 +137,8 @@ def run_workflow(
     tmp = target.parent / f".{target.name}.bitpress-{uuid.uuid4().hex[:8]}"
     lock = output.OutputLock(target, wf.output)
     context = PassContext(workdir=tmp / "scratch", data=wf.data, executor=wf.executor)
+    if own_text:  # said in the run report too, not only in the log
+        context.extras.setdefault("notes", []).append(own_text)
     if jobs:
         context.jobs = jobs
     if progress is not None:
