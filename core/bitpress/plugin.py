@@ -80,7 +80,7 @@ if TYPE_CHECKING:  # the real imports, for type checkers and IDEs; at run time n
     from bitpress.evaluate.metrics import OutputAccumulator
     from bitpress.genai.export import GenaiPackage, builder_reason, check_package
     from bitpress.hf.calibrated import Method
-    from bitpress.hf.calibrated_pass import CalibratedHfOptions, CalibratedHfPass
+    from bitpress.hf.calibrated_pass import CalibratedHfOptions, CalibratedHfPass, check_float_model
     from bitpress.hf.layer_inputs import calibration_batches
     from bitpress.hf.model import HfModel
     from bitpress.hf.online import BUFFER as ONLINE_BUFFER
@@ -88,7 +88,7 @@ if TYPE_CHECKING:  # the real imports, for type checkers and IDEs; at run time n
     from bitpress.hf.online import detach as detach_online
     from bitpress.hf.online import head_module as output_embedding_name
     from bitpress.hf.passes import HfQuantPass, HfToOnnxPass
-    from bitpress.hf.qtensor import QuantTensor
+    from bitpress.hf.qtensor import QuantSpec, QuantTensor
     from bitpress.hf.rules import HfQuantOptions
     from bitpress.hookspecs import hookimpl
     from bitpress.models.base import ModelHandle
@@ -263,6 +263,8 @@ _EXPORTS: dict[str, str] = {
     "Method": "bitpress.hf.calibrated",
     "HfModel": "bitpress.hf.model",
     "QuantTensor": "bitpress.hf.qtensor",
+    "QuantSpec": "bitpress.hf.qtensor",
+    "check_float_model": "bitpress.hf.calibrated_pass",
     "calibration_batches": "bitpress.hf.layer_inputs",
     "attach_online": "bitpress.hf.online:attach",
     "detach_online": "bitpress.hf.online:detach",
@@ -324,6 +326,7 @@ __all__ = [
     "PassContext",
     "Plan",
     "QdqConversion",
+    "QuantSpec",
     "QuantTensor",
     "QuantizationError",
     "QuantizedBlocks",
@@ -347,6 +350,7 @@ __all__ = [
     "calibration_batches",
     "calibration_feeds",
     "check_block_size",
+    "check_float_model",
     "check_package",
     "coerce",
     "contained",

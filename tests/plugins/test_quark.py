@@ -34,6 +34,7 @@ import tempfile
 import textwrap
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -460,7 +461,8 @@ def test_olive_quark_dynamic_and_qoperator(tiny_decoder: Path, tmp_path: Path) -
     assert output_error(tiny_decoder, qop) < 0.055  # measured .029 (VNNI)
 
 
-def test_quark_custom_op_types_do_not_load_in_onnx_runtime(tiny_decoder: Path, tmp_path: Path) -> None:
+def test_quark_custom_op_types_do_not_load_in_onnx_runtime(tiny_decoder: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Why QuarkQuantization refuses BFP16 / MX types: Quark writes them as its own operators, which plain ONNX
     Runtime cannot load (Quark's own API, called directly)."""
     import onnxruntime as ort
@@ -470,6 +472,7 @@ def test_quark_custom_op_types_do_not_load_in_onnx_runtime(tiny_decoder: Path, t
     from bitpress_quark.sandbox import import_quark
 
     quark_onnx = import_quark()
+    monkeypatch.chdir(tmp_path)  # Quark called directly writes quantized_info.csv into the working directory
     out = tmp_path / "bfp.onnx"
     feeds = [synthetic.random_inputs(tiny_decoder, batch=1, seq=8, seed=s) for s in range(2)]
     reader = iter(feeds)
@@ -481,6 +484,114 @@ def test_quark_custom_op_types_do_not_load_in_onnx_runtime(tiny_decoder: Path, t
     assert any(n.domain == "com.amd.quark" for n in onnx.load(str(out)).graph.node)
     with pytest.raises(Exception, match=r"com\.amd\.quark"):
         ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+
+
+# -- Quark's PyTorch path on Hugging Face checkpoints (quark_hf) -----------------------------------------
+def _tiny_llama(folder: Path, *, tied: bool = False, outliers: bool = False) -> Path:
+    """A 2-layer Llama (hidden 128) saved with a tokenizer; ``outliers``: 8 input-norm channels at 8.0."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=256, tie_word_embeddings=tied)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.05)
+        if outliers:
+            for layer in model.model.layers:
+                layer.input_layernorm.weight[:8] = 8.0
+                layer.post_attention_layernorm.weight[:8] = 8.0
+    model.save_pretrained(folder)
+    synthetic.write_tokenizer(folder, vocab=256)
+    return folder
+
+
+HF_DATA = {"source": "random", "samples": 16, "seq_len": 64}
+
+
+def _quark_reference(src: Path, scheme: str, algorithm: str | None) -> Any:
+    """Quark's own quantized model (its fake-quantized forward) on the calibration windows bitpress gives it."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from bitpress.hf.checkpoint import load_model
+    from bitpress.hf.layer_inputs import calibration_batches
+    from bitpress_quark.sandbox import contained, import_quark_torch
+
+    import_quark_torch()
+    from quark.torch import LLMTemplate, ModelQuantizer
+
+    model, _ = load_model(src)
+    ids = torch.cat([b.input_ids for b in calibration_batches(HF_DATA, src, 256, model)])
+    config = LLMTemplate.get("llama").get_config(scheme=scheme, algorithm=algorithm)
+    with tempfile.TemporaryDirectory() as tmp, contained(Path(tmp)):
+        ModelQuantizer(config).quantize_model(model, DataLoader(ids, batch_size=1) if algorithm else None)
+    return model
+
+
+def _logits(model: Any, ids: Any) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(ids).logits.float().numpy()
+
+
+@pytest.mark.parametrize(("scheme", "algorithm"), [("uint4_wo_64", "awq"), ("int4_wo_128", "gptq"),
+                                                   ("uint4_wo_32", None)])
+def test_quark_hf_checkpoint_is_quarks_model(scheme: str, algorithm: str | None, tmp_path: Path) -> None:
+    """The checkpoint quark_hf writes (bitpress's quantized tensors, loaded back by bitpress) computes what
+    Quark's own quantized model computes: the same integers, scales, zero points, and AWQ's folded norms."""
+    import torch
+
+    from bitpress.hf.checkpoint import load_model
+    from bitpress.hf.qtensor import is_quantized
+
+    src = _tiny_llama(tmp_path / "src", outliers=True)
+    out = tmp_path / "out"
+    quantize(src, out, algorithm="quark_hf", options={"quant_scheme": scheme, "quant_algo": algorithm},
+             data=HF_DATA)
+    ours, _ = load_model(out / "src")
+    assert sum(is_quantized(m.weight) for m in ours.modules() if isinstance(m, torch.nn.Linear)) == 14
+    assert not is_quantized(ours.lm_head.weight)
+    reference = _quark_reference(src, scheme, algorithm)
+    held_out = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(9))
+    np.testing.assert_allclose(_logits(ours, held_out), _logits(reference, held_out), rtol=1e-5, atol=1e-5)
+    float_model, _ = load_model(src)
+    err = np.linalg.norm(_logits(ours, held_out) - _logits(float_model, held_out)) / np.linalg.norm(
+        _logits(float_model, held_out))
+    assert 1e-3 < err < 0.6, err
+
+
+def test_quark_hf_smoothquant_is_worse_than_nothing_for_weight_only_int4(tmp_path: Path) -> None:
+    """Why quark_hf refuses quant_algo smoothquant: on weight-only int4 it moves the activation outliers into the
+    weights, which int4 then rounds; the logits end up further from float than with no algorithm at all."""
+    import torch
+
+    from bitpress.hf.checkpoint import load_model
+
+    src = _tiny_llama(tmp_path / "src", outliers=True)
+    float_model, _ = load_model(src)
+    held_out = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(9))
+    ref = _logits(float_model, held_out)
+    errors = {}
+    for algorithm in (None, "smoothquant"):
+        model = _quark_reference(src, "uint4_wo_128", algorithm)
+        errors[algorithm] = np.linalg.norm(_logits(model, held_out) - ref) / np.linalg.norm(ref)
+    assert errors["smoothquant"] > errors[None], errors
+    with pytest.raises(Exception, match="quant_algo smoothquant moves activation outliers"):
+        quantize(src, tmp_path / "sq", algorithm="quark_hf", options={"quant_algo": "smoothquant"}, data=HF_DATA)
+
+
+def test_quark_hf_refusals(tmp_path: Path) -> None:
+    tied = _tiny_llama(tmp_path / "tied", tied=True)
+    with pytest.raises(UsageError, match="unties a tied table"):
+        quantize(tied, tmp_path / "rot", algorithm="quark_hf", options={"quant_algo": "rotation"})
+    with pytest.raises(UsageError, match="keep lm_head in exclude_layers"):
+        quantize(tied, tmp_path / "head", algorithm="quark_hf", options={"quant_algo": None, "exclude_layers": []})
+    assert not (tmp_path / "rot").exists() and not (tmp_path / "head").exists()
 
 
 def test_quark_external_data_output(tiny_decoder: Path, tmp_path: Path, monkeypatch) -> None:
@@ -668,7 +779,7 @@ def test_listing_passes_does_not_import_quark() -> None:
             "'quark' in sys.modules, 'torch' in sys.modules)")
     proc = run_python(code, timeout=300)
     assert proc.stdout.split()[-2:] == ["False", "False"], proc.stdout
-    assert "['quark_dynamic', 'quark_int4', 'quark_static']" in proc.stdout
+    assert "['quark_dynamic', 'quark_hf', 'quark_int4', 'quark_static']" in proc.stdout
 
 
 _FIRST_IMPORT = textwrap.dedent("""\

@@ -20,7 +20,7 @@ from bitpress.testing import assert_plugin_loaded, run_python, unavailable_regis
 if importlib.util.find_spec("quark") is not None:
     pytest.skip("AMD Quark is installed here; see test_quark.py", allow_module_level=True)
 
-QUARK_PASSES = ("quark", "quark_dynamic", "quark_int4", "quark_static")
+QUARK_PASSES = ("quark", "quark_dynamic", "quark_hf", "quark_int4", "quark_static")
 HINT = (
     'install it with: bitpress env create quark (an isolated environment, recommended: Quark pins '
     'onnx<=1.22.0) or pip install "bitpress[quark]"'
@@ -45,7 +45,7 @@ def test_passes_listed_unavailable_with_install_commands(run_cli, registry: Regi
     assert rows["quark_static"]["algorithms"] == ["quark_static", "quark_int8"]
     code, out, _ = run_cli("passes", "list", registry=registry)
     lines = [line for line in out.splitlines() if line.startswith("quark_")]
-    assert len(lines) == 3 and all(line.endswith(HINT) for line in lines), lines
+    assert len(lines) == 4 and all(line.endswith(HINT) for line in lines), lines
     # the plugin is listed, loaded (not broken) although its toolkit is missing
     code, out, _ = run_cli("plugins", registry=registry)
     assert_plugin_loaded(out, "quark")
@@ -80,7 +80,7 @@ def test_quantize_fails_with_the_install_command(
 def test_plugin_import_does_not_import_the_toolkit() -> None:
     # a fresh process: other tests of the session may have imported torch
     code = ("import sys, bitpress_quark; print(sorted(c.name for c in (*bitpress_quark.passes.PASSES, "
-            "bitpress_quark.QuarkQuantizationPass)), 'torch' in sys.modules)")
+            "bitpress_quark.QuarkQuantizationPass, bitpress_quark.QuarkHfPass)), 'torch' in sys.modules)")
     proc = run_python(code, timeout=120)
     assert proc.stdout.split("]")[0] + "]" == str(sorted(QUARK_PASSES)) and proc.stdout.split()[-1] == "False"
 
@@ -136,3 +136,26 @@ def test_olive_quark_quantization_configs_are_checked_without_quark() -> None:
     for message, options in refused.items():
         with pytest.raises(OptionError, match=message):
             QuarkQuantizationPass.from_config(options)
+
+
+def test_quark_hf_options_are_checked_without_quark() -> None:
+    """quark_hf: Olive's scheme names read, and each scheme / algorithm / export it does not run refused in one
+    line saying why, before any work."""
+    from bitpress_quark import QuarkHfPass
+
+    p = QuarkHfPass.from_config({"quant_scheme": "w_uint4_per_group_asym", "quant_algo": "awq"})
+    assert p.options.scheme() == "uint4_wo_128" and p.needs_data
+    assert not QuarkHfPass.from_config({"quant_algo": None}).needs_data
+    assert not QuarkHfPass.from_config({"quant_algo": "rotation"}).needs_data
+    refused = {
+        "quant_scheme int8 is W8A8": {"quant_scheme": "int8"},
+        "quant_scheme mxfp4: ONNX Runtime has no CPU kernel": {"quant_scheme": "mxfp4"},
+        "uint4_wo_per_channel has one scale per row": {"quant_scheme": "uint4_wo_per_channel"},
+        "quant_algo smoothquant moves activation outliers": {"quant_algo": "smoothquant"},
+        "quant_algo 'best': choose from awq": {"quant_algo": "best"},
+        "model_export onnx: Quark's ONNX export of per-group int4 fails": {"model_export": ["onnx"]},
+        "quant_config .Quark's JSON algorithm config. is not read": {"quant_config": {"algo": 1}},
+    }
+    for message, options in refused.items():
+        with pytest.raises(OptionError, match=message):
+            QuarkHfPass.from_config(options)

@@ -34,8 +34,8 @@ def _pass_rows() -> list[dict[str, Any]]:
         rows.append({
             "pass": cls.name, "plugin": cls.plugin, "aliases": list(cls.aliases), "algorithms": list(cls.algorithms),
             "precisions": list(cls.precisions), "model_kinds": list(cls.model_kinds),
-            "needs_data": cls.needs_data, "available": reason is None, "reason": reason,
-            "summary": cls.summary, "where": where(cls),
+            "needs_data": cls.needs_data, "own_text_default": cls.own_text_default, "available": reason is None,
+            "reason": reason, "summary": cls.summary, "where": where(cls),
         })
     for info in reg.broken():
         rows.append({
@@ -83,7 +83,7 @@ def _cmd_passes_show(args: argparse.Namespace) -> int:
             "pass": cls.name, "plugin": cls.plugin, "summary": cls.summary, "aliases": list(cls.aliases),
             "algorithms": list(cls.algorithms), "precisions": list(cls.precisions),
             "model_kinds": list(cls.model_kinds), "needs_data": cls.needs_data,
-            "unavailable": cls.unavailable_reason(), "where": runs,
+            "own_text_default": cls.own_text_default, "unavailable": cls.unavailable_reason(), "where": runs,
             "options": [{"name": o.name, "type": o.type, "default": o.default, "help": o.help} for o in opts],
             "precision_defaults": {p: cls.precision_defaults(p) for p in cls.precisions} if runs == "here" else {},
         }, indent=2, default=str))

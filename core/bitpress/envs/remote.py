@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 
 #: seconds a worker gets to exit after SIGTERM before the whole group is killed
 _GRACE = 3.0
+#: the kinds of model a plugin environment takes and returns: ONNX files, Hugging Face folders
+CROSSING_KINDS = ("onnx", "hf")
 
 
 class EnvPass(Pass):
@@ -130,7 +132,8 @@ def make_proxy(info: EnvInfo, entry: dict[str, Any], local: type[Pass] | None = 
                               metadata={"help": opt.get("help", ""), "type": opt.get("type", "?")}),
         ))
     options_cls = dataclasses.make_dataclass(f"{_camel(name)}EnvOptions", fields)
-    kinds = tuple(k for k in entry.get("model_kinds") or () if k == "onnx")  # models cross as ONNX files
+    # models cross as ONNX files or Hugging Face folders
+    kinds = tuple(k for k in entry.get("model_kinds") or () if k in CROSSING_KINDS)
     attrs = {
         "name": name,
         "aliases": tuple(a for a in entry.get("aliases") or () if isinstance(a, str)),
@@ -138,6 +141,7 @@ def make_proxy(info: EnvInfo, entry: dict[str, Any], local: type[Pass] | None = 
         "precisions": tuple(entry.get("precisions") or ()),
         "model_kinds": kinds,
         "needs_data": bool(entry.get("needs_data")),
+        "own_text_default": bool(entry.get("own_text_default")),
         "summary": entry.get("summary") or "",
         "Options": options_cls,
         "plugin": entry.get("plugin") or info.name,
@@ -190,7 +194,8 @@ def add_env_passes(registry: Any) -> list[str]:
             log.warning("environment %s: cannot offer pass %s here: %s", info.name, name, exc)
             continue
         if not proxy.model_kinds:
-            log.debug("environment %s: pass %s takes no ONNX models; not offered here", info.name, name)
+            log.debug("environment %s: pass %s takes no ONNX model or Hugging Face folder; not offered here",
+                      info.name, name)
             continue
         registry.passes[name] = proxy
         for alias in proxy.aliases:
@@ -303,8 +308,10 @@ def run_in_env(pass_: EnvPass, model: ModelHandle, context: PassContext) -> Mode
     from bitpress.models.onnx_model import OnnxModel
 
     env, name = pass_.env, pass_.name
-    if not isinstance(model, OnnxModel):
-        raise UsageError(f"pass {name} runs in environment {env!r}, which exchanges ONNX models only; got {model.kind}")
+    hf = _is_hf(model)
+    if not isinstance(model, OnnxModel) and not hf:
+        raise UsageError(f"pass {name} runs in environment {env!r}, which exchanges ONNX models and Hugging Face "
+                         f"folders; got {model.kind}")
     reason = type(pass_).unavailable_reason()
     if reason:
         raise PassUnavailableError(f"pass {name!r} (plugin {pass_.plugin}) is unavailable: {reason}")
@@ -326,19 +333,26 @@ def run_in_env(pass_: EnvPass, model: ModelHandle, context: PassContext) -> Mode
         if rc != 0 or not result.get("ok"):
             raise _failure(pass_, rc, result, tail)
         output = Path(result.get("output") or job["output"]).resolve()
-        if not output.is_relative_to(folders["output"].resolve()) or not output.is_file():
+        if not output.is_relative_to(folders["output"].resolve()) or not (output.is_dir() if hf else output.is_file()):
             raise WorkerError(f"pass {name} in environment {env!r} reported an output outside its folder: {output}")
     finally:
         # only the output stays (until the run ends): the input copy and scratch can be large
         for key in ("input", "cwd", "tmp", "work"):
-            shutil.rmtree(folders[key], ignore_errors=True)
+            if folders[key].is_relative_to(job_dir):  # never a model folder that crossed as it is
+                shutil.rmtree(folders[key], ignore_errors=True)
     typed = result.get("options")
     if isinstance(typed, dict) and set(typed) == set(pass_.given):
         pass_.given = typed  # as the worker typed them: a saved config (--save-config) holds those values
-    out = OnnxModel.load(output)
-    out.external_source = getattr(model, "external_source", False)  # the files crossed as external data
+    if hf:
+        from bitpress.hf.model import HfModel
+
+        # the checkpoint the worker wrote, whole: saved by linking its files, loaded only if a later pass needs torch
+        out = HfModel.written(output, history=HfModel.load(output).history, like=model)
+    else:
+        out = OnnxModel.load(output)
+        out.external_source = getattr(model, "external_source", False)  # the files crossed as external data
+        out.sidecars = _sidecars(result, output, f"pass {name} in environment {env!r}")  # type: ignore[attr-defined]
     out.bitpress_origin = origin  # type: ignore[attr-defined]  # where the run's data (tokenizer) lives
-    out.sidecars = _sidecars(result, output, f"pass {name} in environment {env!r}")  # type: ignore[attr-defined]
     for rep in result.get("reports") or []:
         report = RemoteReport(rep["summary"], rep.get("data"))
         context.extras.setdefault("reports", []).append((rep.get("pass", name), origin, report))
@@ -437,7 +451,8 @@ def run_isolated(pass_: Pass, model: ModelHandle, context: PassContext) -> Model
     finally:
         # only the output stays (until the run ends): the input copy and scratch can be large
         for key in ("input", "cwd", "tmp", "work"):
-            shutil.rmtree(folders[key], ignore_errors=True)
+            if folders[key].is_relative_to(job_dir):  # never a model folder that crossed as it is
+                shutil.rmtree(folders[key], ignore_errors=True)
     out = OnnxModel.load(output)
     out.external_source = getattr(model, "external_source", False)  # the files crossed as external data
     out.package_root = getattr(model, "package_root", None)
@@ -494,11 +509,26 @@ def _stage_job(
     for folder in folders.values():
         folder.mkdir(parents=True)
     origin = getattr(model, "bitpress_origin", model.source)
-    model_name = model.source.name if model.source.suffix == ".onnx" else "model.onnx"
     t0 = time.perf_counter()
-    save_onnx(model, folders["input"] / model_name, SaveOptions(external_data=True, check=False))
-    log.debug("saved the model for %s in %.1f s", for_whom, time.perf_counter() - t0)
+    if _is_hf(model):
+        # a Hugging Face folder crosses as a folder: the one on disk while the model is not loaded (the worker
+        # checks and reads it as the host would), else the model as it is in memory, written here
+        model_name = "model"
+        if model.loaded:
+            model.save(folders["input"] / model_name)
+        else:
+            folders["input"].rmdir()
+            folders["input"] = model.source
+            model_name = ""
+    else:
+        model_name = model.source.name if model.source.suffix == ".onnx" else "model.onnx"
+        save_onnx(model, folders["input"] / model_name, SaveOptions(external_data=True, check=False))
+    log.debug("staged the model for %s in %.1f s", for_whom, time.perf_counter() - t0)
     return job_dir, folders, origin, model_name
+
+
+def _is_hf(model: Any) -> bool:
+    return getattr(model, "kind", None) == "hf"
 
 
 def _job_files(
@@ -509,7 +539,7 @@ def _job_files(
         "protocol": PROTOCOL,
         "model": str(folders["input"] / model_name),
         "source": str(origin),
-        "output": str(folders["output"] / model_name),
+        "output": str(folders["output"] / (model_name or "model")),
         "result": str(job_dir / "result.json"),
         "workdir": str(folders["work"]),
         "data": _job_data(context.data, Path(origin)),

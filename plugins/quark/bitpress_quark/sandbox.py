@@ -48,7 +48,8 @@ quark_log = logging.getLogger("bitpress_quark.quark")
 _lock = threading.RLock()
 #: sys.path entries Quark's import added; put back for each later call (lazy imports need them)
 _quark_sys_path: list[str] = []
-_imported = False
+#: the Quark packages imported under containment (quark.onnx, quark.torch)
+_imported: set[str] = set()
 
 
 def extensions_dir() -> Path | None:
@@ -140,10 +141,23 @@ def contained(folder: Path, *, capture_stdout: bool = True) -> Iterator[QuarkMes
 
 def import_quark() -> ModuleType:
     """``import quark.onnx`` inside :func:`contained` (the first time compiles its C++ library)."""
-    global _imported
+    # the ONNX Runtime module configures logging when first imported: imported here, under containment, rather
+    # than in the middle of a later call
+    return _import("quark.onnx", ("onnxruntime.quantization.matmul_nbits_quantizer", "quark.onnx",
+                                  "quark.onnx.quantizers.matmul_nbits_quantizer"))
+
+
+def import_quark_torch() -> ModuleType:
+    """``import quark.torch`` inside :func:`contained` (the first time compiles its hw_emulation library)."""
+    return _import("quark.torch", ("quark.torch",))
+
+
+def _import(name: str, modules: tuple[str, ...]) -> ModuleType:
+    import importlib
+
     with _lock:
-        if _imported:
-            return sys.modules["quark.onnx"]
+        if name in _imported:
+            return sys.modules[name]
         before = list(sys.path)
         t0 = time.perf_counter()
         with (
@@ -151,22 +165,18 @@ def import_quark() -> ModuleType:
             # no stdout capture: a module that keeps sys.stdout at import would keep our stand-in
             contained(Path(tmp), capture_stdout=False) as messages,
         ):
-            # the ONNX Runtime module configures logging when first imported: import it here,
-            # under containment, rather than in the middle of a later call
-            import onnxruntime.quantization.matmul_nbits_quantizer  # noqa: F401
-            import quark.onnx
-            import quark.onnx.quantizers.matmul_nbits_quantizer
-
+            for module in modules:
+                importlib.import_module(module)
             added = [p for p in sys.path if p not in before]
         _quark_sys_path.extend(p for p in added if p not in _quark_sys_path)
         seconds = time.perf_counter() - t0
         where = extensions_dir() or Path("~/.cache/torch_extensions")
-        if messages.matching("Compiling stable ABI custom ops"):
+        if messages.matching("Compiling stable ABI custom ops") or seconds > 5:
             # Quark says so on every import; only a slow import means it really compiled
             log.log(logging.INFO if seconds > 5 else logging.DEBUG,
-                    "imported quark.onnx in %.1f s (C++ custom ops built or found in %s)", seconds, where)
-        _imported = True
-        return quark.onnx
+                    "imported %s in %.1f s (C++ extensions built or found in %s)", name, seconds, where)
+        _imported.add(name)
+        return sys.modules[name]
 
 
-__all__ = ["QuarkMessages", "contained", "extensions_dir", "import_quark", "quark_log"]
+__all__ = ["QuarkMessages", "contained", "extensions_dir", "import_quark", "import_quark_torch", "quark_log"]
