@@ -585,6 +585,17 @@ def test_quark_hf_smoothquant_is_worse_than_nothing_for_weight_only_int4(tmp_pat
         quantize(src, tmp_path / "sq", algorithm="quark_hf", options={"quant_algo": "smoothquant"}, data=HF_DATA)
 
 
+def _quantize_narrow(folder: Path, tmp_path: Path) -> None:
+    """uint4_wo_128 on a Llama whose MLP is 96 wide (down_proj: 96 inputs)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=256)).save_pretrained(folder)
+    quantize(folder, tmp_path / "n", algorithm="quark_hf", options={"quant_algo": None})
+
+
 def test_quark_hf_refusals(tmp_path: Path) -> None:
     tied = _tiny_llama(tmp_path / "tied", tied=True)
     with pytest.raises(UsageError, match="unties a tied table"):
@@ -592,6 +603,13 @@ def test_quark_hf_refusals(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="keep lm_head in exclude_layers"):
         quantize(tied, tmp_path / "head", algorithm="quark_hf", options={"quant_algo": None, "exclude_layers": []})
     assert not (tmp_path / "rot").exists() and not (tmp_path / "head").exists()
+    narrow = tmp_path / "narrow"
+    _tiny_llama(narrow)
+    config = json.loads((narrow / "config.json").read_text())
+    assert config["hidden_size"] == 128
+    with pytest.raises(UsageError, match=r"uint4_wo_128 splits inputs in groups of 128, but .* has 96 inputs .*"
+                                         r"choose uint4_wo_32"):
+        _quantize_narrow(narrow, tmp_path)
 
 
 def test_quark_external_data_output(tiny_decoder: Path, tmp_path: Path, monkeypatch) -> None:

@@ -22,7 +22,7 @@ REFUSED = {
         "INC 1.0's GPTQ propagates no rounding error (its update reads a column of the upper-triangular "
         "inverse Cholesky factor, zero below the diagonal), so its int4 weights are round-to-nearest and do "
         "not depend on the calibration data; use algorithm RTN or AWQ here, or bitpress's own GPTQ pass "
-        "(issue 16) when it lands"
+        "({type: gptq}, which runs on the same data)"
     ),
     "entropy": (
         "INC 1.0's Entropy calibrator builds 128 histogram bins for 128 quantized bins, so its only candidate "

@@ -190,6 +190,19 @@ def _check_model(pass_name: str, torch_model: Any, o: QuarkHfOptions, algorithms
     if model_type not in LLMTemplate.list_available():
         raise UsageError(f"{pass_name}: Quark 0.13 has no template for model type {model_type!r} (it knows "
                          f"{', '.join(sorted(LLMTemplate.list_available())[:12])}, ...): use rtn_hf / gptq_hf / awq_hf")
+    from torch import nn
+
+    group = SCHEMES[o.scheme()][1]
+    excluded = ["lm_head"] if o.exclude_layers is None else o.exclude_layers
+    widths = {name: m.in_features for name, m in torch_model.named_modules()
+              if isinstance(m, nn.Linear) and not any(p in name for p in excluded)}
+    odd = {name: k for name, k in widths.items() if k % group}
+    if odd:
+        name, k = next(iter(odd.items()))
+        fits = [g for g in (128, 64, 32) if all(w % g == 0 for w in widths.values())]
+        hint = f"choose {o.scheme().rsplit('_', 1)[0]}_{fits[0]}" if fits else "no group size of Quark's fits them all"
+        raise UsageError(f"{pass_name}: quant_scheme {o.scheme()} splits inputs in groups of {group}, but {name} has "
+                         f"{k} inputs ({len(odd)} such layers): {hint}")
     tied = _tied(torch_model)
     if tied and "rotation" in algorithms:
         raise UsageError(f"{pass_name}: Quark's rotation rotates the embedding and the LM head apart, which unties a "
