@@ -531,3 +531,21 @@ def test_setup_errors_create_no_folder(extra: dict[str, Any], run_config, tiny_d
     line = run_config(json.dumps(config), name="w.json", exit_code=1 if "output" in extra else 2)
     assert line
     assert not (tmp_path / "work" / "new").exists()
+
+
+def test_olive_engine_output_dir_and_save_options_of_an_export(tiny_decoder: Path, tmp_path: Path) -> None:
+    """Olive's older engine.output_dir names the output; a pass that writes ONNX from a Hugging Face folder
+    (OnnxConversion) takes Olive's common save options like any ONNX pass."""
+    from bitpress.workflow.config import build_workflow, load_config
+
+    path = tmp_path / "olive.json"
+    path.write_text(json.dumps({"input_model": {"type": "ONNXModel", "model_path": str(tiny_decoder)},
+                                "passes": {"q": {"type": "rtn"}}, "engine": {"output_dir": "out"}}))
+    assert build_workflow(load_config(path)).output == tmp_path / "out"
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    wf = build_workflow({"input": str(hf), "output": str(tmp_path / "o"),
+                         "passes": [{"type": "OnnxConversion", "save_as_external_data": True,
+                                     "all_tensors_to_one_file": True}]})
+    assert wf.steps[0].pass_.name == "hf_to_onnx" and wf.save.external_data is True

@@ -3,10 +3,11 @@
 Vendor toolkits pin conflicting versions of numpy, onnx and onnxruntime, so one Python
 environment cannot hold them all. ``bitpress env create PLUGIN`` builds a virtual environment
 with the host and that plugin (:mod:`bitpress.envs.manager`); the host here then offers the
-plugin's passes as proxies and runs them there, exchanging models as files
-(:mod:`bitpress.envs.remote`, :mod:`bitpress.envs.worker`). See docs/environments.md.
+plugin's passes as proxies and runs them there, exchanging models as files: ONNX models, and Hugging Face
+folders (:mod:`bitpress.envs.remote`, :mod:`bitpress.envs.worker`). See docs/environments.md.
 
-May import: calibration, errors, hookspecs, models, onnx, options, passes, plugins.
+May import: calibration, errors, hf (a Hugging Face folder's handle), hookspecs, models, onnx, options, passes,
+plugins.
 """
 
 from bitpress.envs.manager import EnvInfo, create_env, get_env, install_args, list_envs, remove_env

@@ -173,6 +173,8 @@ def load_config(path: Path) -> dict[str, Any]:
     for key in ("input", "output", "output_dir"):
         if key in data and data[key] != "random":
             data[key] = relative(data[key])
+    if isinstance(data.get("engine"), dict) and isinstance(data["engine"].get("output_dir"), str):  # Olive's older
+        data["engine"] = {**data["engine"], "output_dir": relative(data["engine"]["output_dir"])}
     if isinstance(data.get("input_model"), dict) and "model_path" in data["input_model"]:  # Olive-style
         data["input_model"] = {**data["input_model"], "model_path": relative(data["input_model"]["model_path"])}
     passes = data.get("passes")  # Olive's tokenizer_dir on a pass (or in its options / older config nesting)
@@ -363,6 +365,8 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
     dst = _path(config, "output")
     if dst is None:
         dst = _path(config, "output_dir")
+    if dst is None and isinstance(config.get("engine"), dict) and config["engine"].get("output_dir") is not None:
+        dst = _path(config["engine"], "output_dir")  # Olive's older place for it
     if not src or not dst:
         raise ConfigError("the config needs 'input' (a model) and 'output' (where to write it)")
     jobs = check_jobs(config.get("jobs"))
@@ -434,7 +438,7 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
         if "tokenizer_dir" in options and "tokenizer_dir" not in _own_options(cls):
             tokenizers.append((label, _typed(olive_single(options.pop("tokenizer_dir"), str, "tokenizer_dir", label),
                                              str, f"{label}.tokenizer_dir")))
-        if "onnx" in cls.model_kinds:
+        if "onnx" in cls.model_kinds or cls.output_kind == "onnx":  # an ONNX pass, or one that writes ONNX
             external = _olive_save_options(cls, options, label)
             if external is not None:
                 if save is not None and isinstance(save, dict) and save.get("external_data") is not None \
