@@ -565,6 +565,31 @@ def test_quark_hf_checkpoint_is_quarks_model(scheme: str, algorithm: str | None,
     assert 1e-3 < err < 0.6, err
 
 
+def test_quark_hf_on_a_bf16_checkpoint(tmp_path: Path) -> None:
+    """A bf16 checkpoint is quantized in float32 and keeps its dtypes: bf16 norms and quantized weights that
+    dequantize to bf16, every buffer as it was loaded."""
+    import torch
+
+    from bitpress.hf.checkpoint import load_model
+    from bitpress.hf.qtensor import is_quantized
+
+    src = _tiny_llama(tmp_path / "f32")
+    model, _ = load_model(src)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    synthetic.write_tokenizer(tmp_path / "bf16", vocab=256)
+    before, _ = load_model(tmp_path / "bf16")
+    quantize(tmp_path / "bf16", tmp_path / "out", algorithm="quark_hf", options={"quant_algo": None})
+    ours, _ = load_model(tmp_path / "out" / "bf16")
+    assert ours.model.norm.weight.dtype == torch.bfloat16
+    q = ours.model.layers[0].self_attn.q_proj.weight
+    assert is_quantized(q) and q.dtype == torch.bfloat16
+    assert {n: b.dtype for n, b in ours.named_buffers()} == {n: b.dtype for n, b in before.named_buffers()}
+    held_out = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(9))
+    ref = _logits(before, held_out)
+    err = np.linalg.norm(_logits(ours, held_out) - ref) / np.linalg.norm(ref)
+    assert 1e-3 < err < 0.6, err
+
+
 def test_quark_hf_smoothquant_is_worse_than_nothing_for_weight_only_int4(tmp_path: Path) -> None:
     """Why quark_hf refuses quant_algo smoothquant: on weight-only int4 it moves the activation outliers into the
     weights, which int4 then rounds; the logits end up further from float than with no algorithm at all."""

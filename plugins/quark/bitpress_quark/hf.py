@@ -235,33 +235,37 @@ def _calibration(model: HfModel, torch_model: Any, context: PassContext, o: Quar
 
 
 class _float32:
-    """Quark computes in float32 on a CPU: a bf16 / fp16 model runs as float32, its float parameters cast back."""
+    """Quark computes in float32 on a CPU: a bf16 / fp16 model runs as float32, and every float parameter and
+    buffer that is still there afterwards gets its own dtype back (Quark's integers are stored apart)."""
 
     def __init__(self, torch_model: Any) -> None:
         self.model = torch_model
         self.dtype = next(p for p in torch_model.parameters()).dtype
+        self.saved: dict[str, Any] = {}
 
     def __enter__(self) -> Any:
         import torch
 
         if self.dtype != torch.float32:
+            self.saved = {name: t.dtype for name, t in (*self.model.named_parameters(), *self.model.named_buffers())}
             self.model.to(torch.float32)
         return self.dtype
 
     def __exit__(self, *exc: Any) -> None:
-        import torch
-
         from bitpress.plugin import QuantTensor
 
-        if self.dtype == torch.float32:
-            return
-        for module in self.model.modules():
-            for _name, param in list(module.named_parameters(recurse=False)):
-                if not isinstance(param.data, QuantTensor) and param.dtype == torch.float32:
-                    param.data = param.data.to(self.dtype)
-            for name, buf in list(module.named_buffers(recurse=False)):
-                if buf.dtype == torch.float32:
-                    module._buffers[name] = buf.to(self.dtype)
+        for full, dtype in self.saved.items():
+            owner, _, name = full.rpartition(".")
+            try:
+                module = self.model.get_submodule(owner) if owner else self.model
+            except AttributeError:  # a module Quark replaced
+                continue
+            if name in module._parameters and module._parameters[name] is not None:
+                param = module._parameters[name]
+                if not isinstance(param.data, QuantTensor) and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+            elif name in module._buffers and module._buffers[name] is not None:
+                module._buffers[name] = module._buffers[name].to(dtype)
 
 
 def _quantize(torch_model: Any, scheme: str, algorithms: list[str], exclude: list[str] | None, loader: Any) -> dict:
