@@ -99,6 +99,11 @@ class EnvPass(Pass):
         instance.given = dict(values or {})
         instance.strict = strict
         instance.precision = precision
+        if cls.local is not None and cls.needs_data:
+            # whether this instance reads data can depend on its options (modelopt's rtn, quark_hf without an
+            # algorithm): the plugin installed here without its toolkit says so; the manifest knows the class only
+            with contextlib.suppress(BitpressError):  # options this side cannot check: the environment will
+                instance.needs_data = bool(cls.local.from_config(values, precision, strict=strict).needs_data)
         return instance
 
     @classmethod
