@@ -344,7 +344,8 @@ def test_awq_beats_rtn_on_activation_outliers(outliers: Path, tmp_path: Path) ->
 
 
 def test_awq_needs_data_and_rtn_does_not(decoder: Path, tmp_path: Path) -> None:
-    with pytest.raises(UsageError, match="needs calibration data"):
+    # without data awq would calibrate on the model's own text, which needs its tokenizer: this decoder has none
+    with pytest.raises(UsageError, match=r"own calibration text needs its tokenizer: .*give calibration data"):
         _run(decoder, tmp_path, name="awq")
     assert _nbits(_run(decoder, tmp_path, name="rtn", algorithm="rtn"))
 

@@ -268,8 +268,15 @@ def _text(
     if model_dir is None and not config.tokenizer:
         raise UsageError("text calibration data needs a tokenizer: pass --tokenizer / data.tokenizer "
                          "(a tokenizer.json or its folder)")
-    tok_path = find_tokenizer(config.tokenizer, [(Path(model_dir), root)] if model_dir is not None else [],
-                              "--tokenizer / data.tokenizer")
+    try:
+        tok_path = find_tokenizer(config.tokenizer, [(Path(model_dir), root)] if model_dir is not None else [],
+                                  "--tokenizer / data.tokenizer")
+    except UsageError as exc:
+        if path is not None:
+            raise
+        # no text given: the run asked the model for its own text, which starts from its tokenizer
+        raise UsageError(f"the model's own calibration text needs its tokenizer: {exc}; or give calibration data "
+                         "(--data: a text or .npz files)") from None
     own = None
     if config.own:
         try:
