@@ -1,0 +1,127 @@
+"""AMD Quark's PyTorch quantizer (quark_hf) against bitpress's own on a Hugging Face checkpoint, as GenAI packages.
+
+Writes ``docs/quark-hf-bench.md`` (``make -C bench quark-hf``; needs the Quark environment, ``make envs``)::
+
+    .venv/bin/python bench/quark_hf.py [--calibrated]
+
+SmolLM2-135M-Instruct as a Hugging Face folder (the real-model test cache), int4 block 64 asymmetric on every
+linear of the layers (Quark's template leaves the LM head and the embedding in float; bitpress's rows do the
+same here, so the rows compare the quantizers, not what they cover). Each row runs one workflow (quantizer,
+``hf_to_genai`` with the GenAI builder) and is measured by ``bitpress.evaluate`` against the builder's fp32
+package of the float folder: perplexity on the first windows of ``lee_background.cor``, prompt and decode
+tokens/s against float, one thread. Calibration (AWQ, GPTQ, both tools): Python's documentation
+(``pydoc_data.topics``, out of domain), half of the windows the model's own text, the same windows for every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import benchkit
+import calibration_text
+import quality
+
+BENCH = Path(__file__).resolve().parent
+WORK = BENCH / ".work" / "quark-hf"
+OUT = BENCH.parent / "docs" / "quark-hf-bench.md"
+SEQ_LEN = quality.SEQ_LEN
+WINDOWS = quality.WINDOWS
+SAMPLES = 32
+OURS = {"bits": 4, "group_size": 64, "sym": False, "lm_head": False, "embeds": False}
+QUARK = {"type": "QuarkQuantization", "quant_scheme": "uint4_wo_64"}
+
+
+def rows(calibrated: bool) -> list[tuple[str, dict[str, Any], bool]]:
+    """(label, the quantizing pass, calibrated); the calibrated rows only when asked (Quark's AWQ on a CPU: about
+    24 s a layer on SmolLM2)."""
+    every = [
+        ("bitpress rtn_hf", {"type": "rtn_hf", **OURS}, False),
+        ("quark_hf round to nearest", {**QUARK, "quant_algo": None}, False),
+        ("bitpress awq_hf", {"type": "awq_hf", **OURS}, True),
+        ("quark_hf awq", {**QUARK, "quant_algo": "awq"}, True),
+        ("bitpress gptq_hf", {"type": "gptq_hf", **OURS}, True),
+        ("quark_hf gptq", {**QUARK, "quant_algo": "gptq"}, True),
+    ]
+    return [r for r in every if calibrated or not r[2]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--command", default="python bench/quark_hf.py")
+    ap.add_argument("--calibrated", action="store_true", help="also the AWQ / GPTQ rows of both tools (~40 min)")
+    args = ap.parse_args(argv)
+    envs = Path(os.environ.get("BITPRESS_ENVS") or BENCH.parent / ".bitpress-envs")
+    if not (envs / "quark" / "env.json").is_file():
+        raise SystemExit(f"no Quark environment in {envs}: run `make envs` (or set BITPRESS_ENVS)")
+    os.environ["BITPRESS_ENVS"] = str(envs)
+    import bitpress
+
+    inputs = quality.locate({"smollm2"})
+    c = quality.realmodels()
+    src = quality.fixture_fn(c.smollm2_hf)(quality.fixture_fn(c.smollm2_gguf)(), quality.cache_root())
+    reference, text = inputs.smollm2, inputs.text  # the builder's fp32 package of that folder
+    docs = calibration_text.python_docs(WORK / "python-docs.txt")
+    data = {"source": str(docs), "samples": SAMPLES, "seq_len": SEQ_LEN, "tokenizer": str(src / "tokenizer.json"),
+            "generated": SAMPLES // 2}
+    results = []
+    ppl_float = None
+    for label, quantizer, calibrated in rows(args.calibrated):
+        out = WORK / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        config: dict[str, Any] = {"input": str(src), "output": str(out),
+                                  "passes": [quantizer, {"type": "hf_to_genai"}]}
+        if calibrated:
+            config["data"] = data
+        t0 = time.perf_counter()
+        bitpress.run(config)
+        seconds = time.perf_counter() - t0
+        package = out / src.name
+        res = bitpress.evaluate(package, reference, text=text, seq_len=SEQ_LEN, max_windows=WINDOWS, weights=False,
+                                threads=1, speed=True)
+        ppl = res.perplexity
+        assert ppl is not None
+        ppl_float = ppl.reference
+        ratios = (res.speed or {}).get("ratios", {})
+        size = sum(f.stat().st_size for f in package.rglob("*.onnx*"))
+        results.append((label, ppl.quantized, ppl.relative_change, seconds, size, ratios.get("prompt"),
+                        ratios.get("decode")))
+        print(f"{label}: perplexity {ppl.quantized:.2f} ({ppl.relative_change:+.2%}), {seconds:.0f} s, "
+              f"{size / 1e6:.1f} MB, prompt {ratios.get('prompt')}, decode {ratios.get('decode')}", flush=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    flags, _ = benchkit.simd_flags()
+    lines = [
+        "# AMD Quark's PyTorch quantizer (quark_hf) against bitpress's, as GenAI packages",
+        "",
+        f"Generated by `bench/quark_hf.py` (`{args.command}`) on {benchkit.utc_now()}; do not edit by hand. "
+        f"CPU: {quality.cpu_name()}; flags {' '.join(flags)}.",
+        "",
+        "SmolLM2-135M-Instruct (Hugging Face folder), int4, block 64, asymmetric with integer zero points, every "
+        "linear of the layers (Quark's template leaves the tied embedding / LM head table in float; bitpress's "
+        "rows here do the same). Each row is one workflow (the quantizer, then `hf_to_genai` with the GenAI "
+        "builder) measured by `bitpress.evaluate` against the builder's fp32 package of the float folder: "
+        f"perplexity on the first {WINDOWS} windows of {SEQ_LEN} tokens of `lee_background.cor` (float: "
+        f"{ppl_float:.2f}); prompt and decode tokens/s against float, one thread. Quark's rows (Olive's "
+        "`QuarkQuantization`, `quant_scheme: uint4_wo_64`) run in Quark's environment (amd-quark 0.13, CPU); "
+        "their packages hold Quark's integers exactly ([quark.md](quark.md)). Calibration of AWQ and GPTQ, both "
+        f"tools: {SAMPLES} windows of {SEQ_LEN} tokens, Python's documentation (out of domain) with half of "
+        "the windows the model's own text, the same windows for every row. "
+        f"**workflow s**: wall time of the whole workflow, build included, on {os.cpu_count()} cores (load "
+        f"average {load:.1f} at the end).",
+        "",
+        "| method | perplexity | change | size MB | prompt vs float | decode vs float | workflow s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    fmt = (lambda x: "-" if x is None else f"{x:.2f}x")  # noqa: E731
+    for label, p, change, seconds, size, prompt, decode in results:
+        lines.append(f"| {label} | {p:.2f} | {change:+.1%} | {size / 1e6:.1f} | {fmt(prompt)} | {fmt(decode)} | "
+                     f"{seconds:.0f} |")
+    return benchkit.write_doc(OUT, lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
