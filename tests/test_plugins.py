@@ -276,7 +276,7 @@ def test_passes_show_rtn(run_cli, make_registry) -> None:
     rows = {line.split()[0]: line for line in out.splitlines()[5:]}
     assert "128" in rows["block_size"] and "weights per block along K" in rows["block_size"]
     assert "true" in rows["is_symmetric"] and "bool" in rows["is_symmetric"]
-    assert '["MatMul", "Gemm", "Gather"]' in rows["op_types"]
+    assert '["MatMul", "Gemm", "Gather", "MoE"]' in rows["op_types"]
 
     code, out, _ = run_cli("passes", "show", "rtn", "--json", registry=reg)
     data = json.loads(out)

@@ -1,5 +1,5 @@
 """The host's own hook implementations: ONNX and Hugging Face loading, pass execution and saving,
-and the host's own passes (``qdq_to_nbits``), listed under plugin ``bitpress``.
+and the host's own passes (``qdq_to_nbits``, ``fuse_experts``), listed under plugin ``bitpress``.
 
 Registered before any plugin and marked ``trylast``, so a plugin's implementation of the same
 hook is consulted first and these are the fallback. A pass's ``run`` is plugin code: it runs
@@ -25,9 +25,11 @@ from bitpress.plugin_faults import guard
 def bitpress_register_passes(register: Any) -> None:
     # collected by the registry itself (Registry._add_host_passes), before any plugin's
     from bitpress.hf.passes import HfToGenaiPass
+    from bitpress.onnx.expert_loops import FuseExpertsPass
     from bitpress.onnx.qdq_nbits import QdqToNbitsPass
 
     register(QdqToNbitsPass)
+    register(FuseExpertsPass)
     register(HfToGenaiPass)
 
 

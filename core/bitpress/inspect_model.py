@@ -22,8 +22,39 @@ from bitpress.onnx.tensors import (
 QUANTIZED_OPS = {
     "MatMulNBits", "GatherBlockQuantized", "MatMulBnb4", "MatMulInteger", "QLinearMatMul",
     "QLinearConv", "DynamicQuantizeMatMul", "DequantizeLinear", "QuantizeLinear",
-    "DynamicQuantizeLinear", "QGemm",
+    "DynamicQuantizeLinear", "QGemm", "QMoE",
 }
+
+
+def experts_of(graph: onnx.GraphProto) -> list[dict[str, Any]]:
+    """Every ``com.microsoft`` MoE / QMoE node: experts, widths, routing, activation, and how they are stored."""
+    from bitpress.onnx.kernels import node_path
+
+    shapes = {t.name: [int(d) for d in t.dims] for t in graph.initializer}
+    dtypes = {t.name: t.data_type for t in graph.initializer}
+    out = []
+    for node in graph.node:
+        if node.domain != "com.microsoft" or node.op_type not in ("MoE", "QMoE"):
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        act = attrs.get("activation_type", b"relu")
+        fc1 = shapes.get(node.input[2], []) if len(node.input) > 2 else []
+        fc2 = shapes.get(node.input[5 if node.op_type == "QMoE" else 4], []) if len(node.input) > 4 else []
+        entry: dict[str, Any] = {
+            "node": node.name or node.output[0], "op": node.op_type, "experts": fc1[0] if fc1 else None,
+            "hidden": fc2[1] if len(fc2) > 1 else None, "top_k": int(attrs.get("k", 1)),
+            "activation": act.decode() if isinstance(act, bytes) else str(act),
+        }
+        if node.op_type == "QMoE":
+            path = node_path(node, dtypes)
+            entry.update(bits=int(attrs.get("expert_weight_bits", 4)), block_size=int(attrs.get("block_size", 0)),
+                         accuracy_level=int(attrs.get("accuracy_level", 0)),
+                         zero_points=len(node.input) > 11 and bool(node.input[11]),
+                         kernel=path.label if path is not None else None)
+        else:
+            entry["dtype"] = onnx.TensorProto.DataType.Name(dtypes.get(node.input[2], 0)).lower() if fc1 else None
+        out.append(entry)
+    return out
 
 
 def inspect_onnx(model: OnnxModel, *, check: bool = True) -> dict[str, Any]:
@@ -54,6 +85,7 @@ def inspect_onnx(model: OnnxModel, *, check: bool = True) -> dict[str, Any]:
         "nodes": sum(ops.values()),
         "ops": dict(ops.most_common()),
         "quantized_nodes": dict(quantized),
+        "experts": experts_of(model.graph),
         "weight_bytes_by_dtype": dict(by_dtype),
         "external_data": dict(data_files),
         "checker": checker,

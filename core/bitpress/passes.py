@@ -130,6 +130,8 @@ class Pass(ABC):
     install_hint: ClassVar[str | None] = None
     #: set by the host: the plugin that registered the class
     plugin: ClassVar[str] = "?"
+    #: what the pass does with mixture-of-experts weights (``passes list``): None when it leaves them as they are
+    experts: ClassVar[str | None] = None
 
     def __init__(self, options: Any | None = None) -> None:
         self.options = options if options is not None else self.Options()

@@ -36,6 +36,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print("  ops: " + ", ".join(f"{k} x{v}" for k, v in rep["ops"].items()))
         if rep["quantized_nodes"]:
             print("  quantized: " + ", ".join(f"{k} x{v}" for k, v in rep["quantized_nodes"].items()))
+        for e in rep.get("experts", []):
+            how = (f"{e['bits']}-bit, block {e['block_size']}, {'uint8' if e['zero_points'] else 'no'} zero points, "
+                   f"accuracy_level {e['accuracy_level']} ({e['kernel']})" if e["op"] == "QMoE" else
+                   f"{e.get('dtype') or 'float'}, not quantized")
+            print(f"  experts: {e['node']}: {e['op']}, {e['experts']} experts (top {e['top_k']}, {e['activation']}, "
+                  f"hidden {e['hidden']}): {how}")
         print("  weights: " + ", ".join(f"{k} {mb(v)}" for k, v in rep["weight_bytes_by_dtype"].items()))
         if rep["external_data"]:
             print("  external data: " + ", ".join(f"{k} ({mb(v)})" for k, v in rep["external_data"].items()))

@@ -35,13 +35,13 @@ def _pass_rows() -> list[dict[str, Any]]:
             "pass": cls.name, "plugin": cls.plugin, "aliases": list(cls.aliases), "algorithms": list(cls.algorithms),
             "precisions": list(cls.precisions), "model_kinds": list(cls.model_kinds),
             "needs_data": cls.needs_data, "own_text_default": cls.own_text_default, "available": reason is None,
-            "reason": reason, "summary": cls.summary, "where": where(cls),
+            "reason": reason, "summary": cls.summary, "where": where(cls), "experts": getattr(cls, "experts", None),
         })
     for info in reg.broken():
         rows.append({
             "pass": "?", "plugin": info.name, "aliases": [], "algorithms": [], "precisions": [], "model_kinds": [],
             "needs_data": None, "available": False, "reason": f"plugin failed to load: {info.error}",
-            "summary": "", "where": "here",
+            "summary": "", "where": "here", "experts": None,
         })
     return rows
 
@@ -51,11 +51,12 @@ def _cmd_passes_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
-    table = [["PASS", "PLUGIN", "ALGORITHMS", "PRECISIONS", "MODELS", "DATA", "WHERE", "AVAILABLE"]]
+    table = [["PASS", "PLUGIN", "ALGORITHMS", "PRECISIONS", "MODELS", "DATA", "EXPERTS", "WHERE", "AVAILABLE"]]
     for r in rows:
         table.append([
             r["pass"], r["plugin"], ",".join(r["algorithms"]), ",".join(r["precisions"]),
-            ",".join(r["model_kinds"]), {True: "yes", False: "no", None: "?"}[r["needs_data"]], r["where"],
+            ",".join(r["model_kinds"]), {True: "yes", False: "no", None: "?"}[r["needs_data"]], r["experts"] or "-",
+            r["where"],
             "yes" if r["available"] else f"no: {r['reason']}",
         ])
     print_table(table)
@@ -92,7 +93,8 @@ def _cmd_passes_show(args: argparse.Namespace) -> int:
     if cls.aliases:
         print(f"  also called: {', '.join(cls.aliases)}")
     print(f"  algorithms: {', '.join(cls.algorithms)}   precisions: {', '.join(cls.precisions)}")
-    print(f"  models: {', '.join(cls.model_kinds)}   needs data: {'yes' if cls.needs_data else 'no'}")
+    print(f"  models: {', '.join(cls.model_kinds)}   needs data: {'yes' if cls.needs_data else 'no'}   "
+          f"mixture-of-experts weights: {getattr(cls, 'experts', None) or 'left as they are'}")
     if runs != "here":
         print(f"  runs in: {runs}")
     reason = cls.unavailable_reason()

@@ -37,6 +37,7 @@ class HfQuantPass(Pass):
     install_hint: ClassVar[str | None] = HF_INSTALL_HINT
     #: streamed, the per-weight solves go to the executor (Ray tasks read their tensor from the shard)
     distributes: ClassVar[bool] = True
+    experts: ClassVar[str | None] = "with moe: true"
 
     def solver(self) -> BlockSolver:
         raise NotImplementedError

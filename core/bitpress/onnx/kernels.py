@@ -146,6 +146,18 @@ def matmul_nbits_path(bits: int, accuracy_level: int, zero_points: str, *, targe
     return KernelPath("unmeasured", corrected, f"{bits}-bit MatMulNBits is not measured here")
 
 
+def qmoe_path(bits: int, accuracy_level: int, *, target: str = "cpu") -> KernelPath:
+    """The kernel of a block-wise integer ``QMoE`` (ONNX Runtime 1.32's CPU kernel: the packed MLAS kernels of
+    ``MatMulNBits``; 4-bit experts compute in float32 below ``accuracy_level`` 4, 8-bit ones always in int8)."""
+    if target != "cpu":
+        return KernelPath("unmeasured", reason=f"only ONNX Runtime's CPU kernels are measured here ({target})")
+    if bits == 8 or accuracy_level == 4:
+        return KernelPath("int8")
+    if bits == 4:
+        return KernelPath("fp32")
+    return KernelPath("unmeasured", reason=f"{bits}-bit QMoE is not measured here")
+
+
 def bnb4_path(target: str = "cpu") -> KernelPath:
     """``MatMulBnb4`` (nf4 / fp4): no fast form on CPU."""
     if target != "cpu":
@@ -169,6 +181,12 @@ def node_path(node: onnx.NodeProto, dtypes: dict[str, int], *, target: str = "cp
                                  g_idx=g_idx, corrected=corrected)
     if node.op_type == "MatMulBnb4":
         return bnb4_path(target)
+    if node.op_type == "QMoE":
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        quant = attrs.get("quant_type", b"int")
+        if (quant.decode() if isinstance(quant, bytes) else str(quant)) != "int":
+            return KernelPath("unmeasured", reason="a QMoE of floating-point experts (fp4 / fp8)")
+        return qmoe_path(int(attrs.get("expert_weight_bits", 4)), int(attrs.get("accuracy_level", 0)), target=target)
     if node.op_type == "GatherBlockQuantized":
         return KernelPath("gather")
     return None

@@ -146,6 +146,8 @@ def weight_table_lines(report: Any) -> list[str]:
     for r in rows:
         shape = "x".join(str(d) for d in r.shape) or "-"
         ops = r.kind + (" (tied)" if r.tied else f" x{len(r.ops)}" if len(r.ops) > 1 else "")
+        if r.experts:
+            ops = f"{r.kind} {r.experts} experts" + (f" -> {r.writes}" if r.quantized and r.writes else "")
         if r.quantized:
             cells = [str(r.bits), str(r.block_size), "yes" if r.symmetric else "no", r.zero_points or "-",
                      f"{r.expected_bits:.2f}" if r.expected_bits is not None else "-"]

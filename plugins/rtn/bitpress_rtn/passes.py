@@ -71,6 +71,7 @@ class Bnb4Pass(WeightOnlyPass):
     Options: ClassVar[type] = Bnb4Options
     aliases: ClassVar[tuple[str, ...]] = ("OnnxBnb4Quantization",)
     distributes: ClassVar[bool] = False  # its own writer, on this machine's threads
+    experts: ClassVar[str | None] = None  # MatMul weights only: no codebook form of QMoE
 
     def weight_plan(self, model: Any, data: Any = None) -> Plan:
         from bitpress_rtn.bnb4_writer import bnb4_plan

@@ -60,11 +60,19 @@ class CalibratedOptions(WeightOnlyOptions):
     memory_mb: int = option(
         1024, "calibration activations held in memory between layers before the rest go to the work folder"
     )
+    expert_min_tokens: int | None = option(
+        None, "MoE experts: an expert the calibration data routes fewer tokens to is rounded by the calibration-free "
+        "solver instead (named in the report); default: the expert's input width (a full-rank Hessian)"
+    )
 
     def validate(self) -> None:
         super().validate()
         if self.memory_mb < 16:
             raise ValueError(f"memory_mb must be at least 16, got {self.memory_mb}")
+        if self.expert_min_tokens is not None and (not isinstance(self.expert_min_tokens, int)
+                                                   or isinstance(self.expert_min_tokens, bool)
+                                                   or self.expert_min_tokens < 0):
+            raise ValueError(f"expert_min_tokens must be a non-negative integer, got {self.expert_min_tokens!r}")
 
 
 class CalibratedPass(WeightOnlyPass):
@@ -78,6 +86,7 @@ class CalibratedPass(WeightOnlyPass):
     needs_data: ClassVar[bool] = True
     own_text_default: ClassVar[bool] = True
     distributes: ClassVar[bool] = False  # layer by layer on this machine's threads (docs/scaling.md)
+    experts: ClassVar[str | None] = "QMoE, per expert"
     Options: ClassVar[type] = CalibratedOptions
 
     def calibrated_solver(self, group: Group) -> CalibratedSolver:
@@ -98,7 +107,7 @@ class CalibratedPass(WeightOnlyPass):
         report = planned_report(model, p, self.estimate(), self.kernel())
         log_plan(report, p, model)
         report.planned = False
-        if not p.groups:
+        if not p.groups and not p.experts.groups:
             log.warning("no weights to quantize in %s: %s", model.source.name, report.summary())
             return model
         # numpy's BLAS gets one thread: the solves run on bitpress's threads (--jobs) and ONNX Runtime on its
@@ -118,10 +127,11 @@ class CalibratedPass(WeightOnlyPass):
         opts = self.options
         started = time.perf_counter()
         self._dtypes: dict[str, np.dtype] = {}  # each activation's element type, seen on the way
-        widest = max(weight_shape(model, g)[1] for g in p.groups)
+        widest = max([weight_shape(model, g)[1] for g in p.groups] + [g.hidden for g in p.experts.groups])
         feeds = list(_feeds(model, context, widest, self.name))
         if not feeds:
             raise QuantizationError("the calibration data yielded no samples")
+        expert_feeds = list(feeds) if p.experts.groups else []
         scaler = self.input_scaler()
         solvers = {g.weight: self.calibrated_solver(g) for g in p.groups}
         needs = frozenset().union(*(s.needs for s in solvers.values()), scaler.needs if scaler else frozenset())
@@ -189,10 +199,61 @@ class CalibratedPass(WeightOnlyPass):
         apply_scalings(model, scalings, {g.weight for g in p.groups})
         for sc in scalings:
             log.info("input %s scaled: %s", sc.activation, sc.how)
+        if p.experts.groups:
+            self._experts(model, p, report, expert_feeds, context)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         log.info("%s: %d samples, %d stages, %.1f s; frontier peak %.0f MB in memory, %.0f MB spilled; peak RSS "
                  "%.0f MB", self.name, n, len(splan.stages), time.perf_counter() - started, store.peak / 2**20,
                  store.spilled / 2**20, peak)
+
+    def _experts(self, model: OnnxModel, p: Plan, report: Report, feeds: list[dict[str, np.ndarray]],
+                 context: PassContext) -> None:
+        """Each MoE node's experts on the tokens routed to them (:mod:`bitpress.onnx.calibrated.experts`), in graph
+        order, each node's QMoE written before the next node's inputs are read (``sequential``)."""
+        from bitpress.onnx.calibrated import experts
+        from bitpress.onnx.weightonly import qmoe
+
+        opts = self.options
+        level = opts.resolved_accuracy_level()
+        groups = p.experts.groups
+        starved: list[experts.Starved] = []
+        captured = None
+        if not opts.sequential:  # every node's inputs from the model before any expert is quantized
+            captured = [experts.capture(model, g, feeds) for g in groups]
+        with context.step(len(groups), "calibrating experts") as advance:
+            for i, g in enumerate(groups):
+                # the graph's nodes were rewritten (copied) by the writers since planning: this node as it is now
+                g.node = next(n for n in model.graph.node if n.op_type == g.node.op_type
+                              and list(n.output) == list(g.node.output))
+                x, logits = captured[i] if captured is not None else experts.capture(model, g, feeds)
+                # the solver of the node's weight, asked as for any weight (the plugin's contract takes a Group)
+                solver = self.calibrated_solver(Group(g.weights["fc1"], [], g.bits, g.block_size, g.symmetric))
+                done = experts.solve_experts(model, g, x, logits, solver, self.solver(), opts.expert_min_tokens)
+                del x, logits
+                writer = Writer(model, level, opts.float_zero_point_form)
+                qmoe.write(writer, g, done.solved, level)
+                writer.finish()
+                report.stored_bytes += writer.stored_bytes
+                for role, s in done.solved.items():
+                    name = g.weights[role]
+                    report.quantized += 1
+                    report.weights += s.packed.shape[0] * s.k
+                    report.record(name, s.error)
+                    if role in done.output_errors:
+                        report.record_output(name, done.output_errors[role])
+                starved += done.starved
+                log.info("%s: experts of %s solved on %s routed calibration tokens", self.name, g.name,
+                         "/".join(map(str, done.tokens)))
+                advance(1)
+        if starved:
+            shown = "; ".join(s.text() for s in starved[:6]) + (f"; and {len(starved) - 6} more" if len(starved) > 6
+                                                                 else "")
+            note = (f"{self.name}: {len(starved)} expert(s) got too few calibration tokens and were rounded by the "
+                    f"calibration-free solver ({shown}); more or more varied --data reaches them (expert_min_tokens "
+                    "sets the bar)")
+            report.notes.append(note)
+            context.extras.setdefault("notes", []).append(note)
+            log.warning("%s", note)
 
     def _observe(
         self, model: OnnxModel, splan: StagePlan, j: int, store: FrontierStore, n: int, needs: frozenset[str],

@@ -17,6 +17,8 @@ from bitpress.executors import ExecutorSpec, open_executor
 from bitpress.interrupts import cancel_pending
 from bitpress.memory import trim_heap
 from bitpress.models.onnx_model import OnnxModel
+from bitpress.onnx.weightonly import qmoe
+from bitpress.onnx.weightonly.moe import ExpertGroup
 from bitpress.onnx.weightonly.planning import Group, Plan, WeightOnlyOptions, plan
 from bitpress.onnx.weightonly.reading import current_chunk_elements
 from bitpress.onnx.weightonly.report import Estimate, KernelOf, Report, nbits_estimate, nbits_kernel, planned_report
@@ -26,6 +28,9 @@ from bitpress.passes import Pass, PassContext
 from bitpress.quant.solver import BlockSolver, PackingKernel
 
 log = logging.getLogger("bitpress.onnx.weightonly")
+
+#: one solve: a dense weight, or one expert tensor (a MoE node's fc1 / fc2 / fc3)
+Job = Group | tuple[ExpertGroup, str]
 
 #: the largest block size an int8 weight gets by default (see :meth:`WeightOnlyPass.precision_defaults`)
 INT8_BLOCK_SIZE = 32
@@ -47,48 +52,66 @@ def quantize_weights(
                             nbits_kernel(opts, float_zero_points))
     log_plan(report, p, model)
     report.planned = False
-    if not p.groups:
+    if not p.groups and not p.experts.groups:
         log.warning("no weights to quantize in %s: %s", model.source.name, report.summary())
         return report
-    writer = Writer(model, opts.resolved_accuracy_level(), opts.float_zero_point_form)
+    level = opts.resolved_accuracy_level()
+    writer = Writer(model, level, opts.float_zero_point_form)
     spec = ExecutorSpec.from_value(context.executor)
     remote = spec.type != "threads"
     # a worker process reads its weight from where it lies (a file range) and must be told the chunk
     # size; threads share this process's CHUNK_ELEMENTS
     chunk = current_chunk_elements() if remote else None
 
-    def task(group: Group) -> SolveTask:
-        imp = importance.get(group.weight) if importance is not None else None
-        return task_of(model, group, float_zero_points, imp, chunk)
+    def task(job: Job) -> SolveTask:
+        if isinstance(job, Group):
+            imp = importance.get(job.weight) if importance is not None else None
+            return task_of(model, job, float_zero_points, imp, chunk)
+        return qmoe.task(model, job[0], job[1], chunk)
 
+    # every dense weight, and every expert tensor of a MoE node (written when the node's last one is solved)
+    jobs: list[Job] = [*p.groups, *((g, role) for g in p.experts.groups for role in g.weights)]
+    experts_done: dict[int, dict[str, Solved]] = {}
     # bounded in-flight work: at most ``workers + 1`` tensors solved but not yet written
     # an error or a signal drops the queued tensors; the executor waits only for those being solved
-    with context.step(len(p.groups), "quantizing") as advance, open_executor(spec, jobs=context.jobs) as pool, \
+    with context.step(len(jobs), "quantizing") as advance, open_executor(spec, jobs=context.jobs) as pool, \
             cancel_pending(pool):
         if remote:
             pool.check_shared(external_files(model, p))
-        jobs = pool.workers
-        pending: dict[Future[Solved], Group] = {}
-        todo = iter(sorted(p.groups, key=lambda g: -_numel(model, g)))
+        workers = pool.workers
+        pending: dict[Future[Solved], Job] = {}
+        todo = iter(sorted(jobs, key=lambda j: -_numel(model, j)))
         done_all = False
         while pending or not done_all:
-            while not done_all and len(pending) < jobs + 1:
-                group = next(todo, None)
-                if group is None:
+            while not done_all and len(pending) < workers + 1:
+                job = next(todo, None)
+                if job is None:
                     done_all = True
                     break
-                pending[pool.submit(solve_task, task(group), solver, kernel)] = group
+                pending[pool.submit(solve_task, task(job), solver, kernel)] = job
             if not pending:
                 break
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in finished:
-                res = result_of(pending.pop(fut), fut.result())
-                writer.write(res)  # protobuf edits stay on this thread
+                job = pending.pop(fut)
+                solved = fut.result()
+                if isinstance(job, Group):
+                    res = result_of(job, solved)
+                    writer.write(res)  # protobuf edits stay on this thread
+                    report.weights += res.packed.shape[0] * res.k
+                    del res
+                else:
+                    eg, role = job
+                    mine = experts_done.setdefault(id(eg), {})
+                    mine[role] = solved
+                    report.weights += solved.packed.shape[0] * solved.k
+                    if len(mine) == len(eg.weights):
+                        qmoe.write(writer, eg, experts_done.pop(id(eg)), level)
+                    job = eg.weights[role]
                 report.quantized += 1
-                report.weights += res.packed.shape[0] * res.k
-                report.record(res.group.weight, res.error)
+                report.record(job.weight if isinstance(job, Group) else job, solved.error)
                 advance(1)
-                del res
+                del solved
             del finished, fut  # the futures hold the results: drop them before trimming
             trim_heap()
     writer.finish()
@@ -101,7 +124,8 @@ def external_files(model: OnnxModel, p: Plan) -> list[Path]:
     from bitpress.onnx.tensors import is_external
 
     inits = model.initializers()
-    files = {model.resolver.path(inits[g.weight])[0] for g in p.groups if is_external(inits[g.weight])}
+    names = [g.weight for g in p.groups] + [w for g in p.experts.groups for w in g.weights.values()]
+    files = {model.resolver.path(inits[w])[0] for w in names if is_external(inits[w])}
     return sorted(files)
 
 
@@ -117,8 +141,8 @@ def log_plan(report: Report, p: Plan, model: OnnxModel) -> None:
         log.info("plan for %s: %s", model.source.name, report.summary())
 
 
-def _numel(model: OnnxModel, group: Group) -> int:
-    t = model.initializers()[group.weight]
+def _numel(model: OnnxModel, job: Job) -> int:
+    t = model.initializers()[job.weight if isinstance(job, Group) else job[0].weights[job[1]]]
     return int(np.prod(t.dims))
 
 
@@ -135,6 +159,7 @@ class WeightOnlyPass(Pass):
     #: the solver weights its error by activation statistics when calibration data is given
     uses_importance: ClassVar[bool] = False
     distributes: ClassVar[bool] = True
+    experts: ClassVar[str | None] = "QMoE"
 
     def solver(self) -> BlockSolver:
         raise NotImplementedError

@@ -8,7 +8,7 @@ run and ``--plan`` (a dry run) both call it, so they cannot disagree.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -18,6 +18,8 @@ from onnx import helper
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx import kernels, layout
 from bitpress.onnx.graph import consumers, keeps_float, producers, used_names
+from bitpress.onnx.weightonly import moe
+from bitpress.onnx.weightonly.moe import ExpertPlan
 from bitpress.options import option
 from bitpress.quant.solver import check_block_size
 from bitpress.selection import NameMatcher, short
@@ -38,13 +40,20 @@ class WeightOnlyOptions(kernels.TargetOptions):
         "per-block correction from the input's block sums: fast kernels) or native (MatMulNBits float zero "
         "points: ONNX Runtime dequantizes the whole weight on every call)"
     )
-    op_types: list[str] = option(["MatMul", "Gemm", "Gather"], "op types whose weights are quantized")
+    op_types: list[str] = option(
+        ["MatMul", "Gemm", "Gather", "MoE"], "op types whose weights are quantized (MoE: a com.microsoft MoE node's "
+        "experts, written as QMoE)"
+    )
     nodes_to_include: list[str] = option(
         [], "only these nodes (names, globs or re:REGEX; node or weight names); empty: all"
     )
     nodes_to_exclude: list[str] = option([], "nodes left in float (names, globs or re:REGEX)")
     overrides: dict[str, dict[str, Any]] = option(
         {}, 'per-node settings, first match wins: {"re:.*down_proj.*": {"bits": 8}}'
+    )
+    quantize_router: bool = option(
+        False, "quantize the router of a MoE node (the MatMul giving its router logits) too; default: kept float (a "
+        "few KB, and a rounded router sends tokens to other experts)"
     )
     gather_min_rows: int = option(
         64, "Gather tables with fewer rows stay float (token-type tables: no size gain, error on every token)"
@@ -64,9 +73,9 @@ class WeightOnlyOptions(kernels.TargetOptions):
             raise ValueError(f"bpw must be a number of bits per weight above 2 and at most 16, got {short(self.bpw)}")
         if not isinstance(self.bpw_samples, int) or isinstance(self.bpw_samples, bool) or self.bpw_samples < 1:
             raise ValueError(f"bpw_samples must be a positive integer, got {short(self.bpw_samples)}")
-        bad = sorted(set(self.op_types) - {"MatMul", "Gemm", "Gather"})
+        bad = sorted(set(self.op_types) - {"MatMul", "Gemm", "Gather", "MoE"})
         if bad:
-            raise ValueError(f"op_types {bad} are not supported; use MatMul, Gemm, Gather")
+            raise ValueError(f"op_types {bad} are not supported; use MatMul, Gemm, Gather, MoE")
         for pattern, settings in self.overrides.items():
             where = f"overrides[{short(pattern, 60)}]"
             if not isinstance(settings, dict) or set(settings) - {"bits", "block_size", "is_symmetric"}:
@@ -134,6 +143,10 @@ class Plan:
     excluded: dict[str, str] = field(default_factory=dict)
     #: warnings: ``nodes_to_include`` / ``nodes_to_exclude`` / ``overrides`` patterns that match nothing
     unmatched: list[str] = field(default_factory=list)
+    #: the experts of ``com.microsoft`` MoE nodes (:mod:`bitpress.onnx.weightonly.moe`)
+    experts: ExpertPlan = field(default_factory=lambda: ExpertPlan())
+    #: advice about the graph as a whole (loops over experts that a pass before this one would fuse)
+    advice: list[str] = field(default_factory=list)
 
 
 def zero_point_kind(group: Group, float_zero_points: bool) -> str:
@@ -176,13 +189,19 @@ def plan(model: OnnxModel, opts: WeightOnlyOptions) -> Plan:
                 skipped[node.name or node.output[0]] = why
             continue
         uses[weight].append(use)
+    experts = _plan_experts(model, opts, include, exclude, overrides)
     unmatched = _unmatched(graph, opts, uses, [(include, "nodes_to_include"), (exclude, "nodes_to_exclude"),
-                                              (overrides, "overrides")])
+                                              (overrides, "overrides")], set(experts.tensors))
 
     groups = []
     excluded: dict[str, str] = {}
+    routers = set() if opts.quantize_router else router_weights(graph, inits, prods, opts.op_types)
     for weight, wuses in uses.items():
         tensor = inits[weight]
+        if weight in routers:
+            skipped[weight] = ("the router of a MoE node: kept float (a few KB; a rounded router sends tokens to other "
+                               "experts); quantize_router=true quantizes it")
+            continue
         # every reader of the weight (directly or via the Transpose) must be a planned use
         nodes = {id(n): n for n in cons.get(weight, [])}
         planned = {id(u.node) for u in wuses} | {id(u.transpose) for u in wuses if u.transpose is not None}
@@ -256,12 +275,104 @@ def plan(model: OnnxModel, opts: WeightOnlyOptions) -> Plan:
             skipped[weight] = reason
             continue
         groups.append(group)
-    return Plan(groups, skipped, notes, dict(uses), excluded, unmatched)
+    advice = _loop_advice(model) if set(moe.MOE_OPS) & set(opts.op_types) else []
+    return Plan(groups, skipped, notes, dict(uses), excluded, unmatched, experts, advice)
+
+
+def _loop_advice(model: OnnxModel) -> list[str]:
+    """A note when the graph runs its experts as a loop of MatMuls (mobius's form): fused first, they become QMoE."""
+    from bitpress.onnx.expert_loops import find_loops
+
+    loops, _ = find_loops(model)
+    if not loops:
+        return []
+    return [f"{len(loops)} loop(s) over experts ({loops[0].name}{' ...' if len(loops) > 1 else ''}: every expert "
+            "runs on every token as plain MatMuls): here each expert's MatMuls are quantized as MatMulNBits; run the "
+            "fuse_experts pass first (passes: [{type: fuse_experts}, ...]) to get one QMoE per layer, which runs only "
+            "the routed experts (docs/moe.md)"]
+
+
+#: ops a router's logits may pass through between its MatMul and the MoE node
+_ROUTER_PATH = ("Add", "Cast", "Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten")
+
+
+def router_weights(graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto],
+                   prods: dict[str, onnx.NodeProto], op_types: list[str]) -> set[str]:
+    """The weights of the MatMuls / Gemms that give the MoE nodes their router logits."""
+    out: set[str] = set()
+    for node in moe.candidates(graph, op_types):
+        name = node.input[1] if len(node.input) > 1 else ""
+        for _ in range(8):
+            src = prods.get(name)
+            if src is None:
+                break
+            if src.op_type in ("MatMul", "Gemm") and len(src.input) > 1:
+                w = src.input[1]
+                if w not in inits and w in prods and prods[w].op_type == "Transpose":
+                    w = prods[w].input[0]
+                if w in inits:
+                    out.add(w)
+                break
+            if src.op_type not in _ROUTER_PATH:
+                break
+            # follow the activation input (an Add's other input is a bias constant)
+            name = next((i for i in src.input if i and i not in inits), "")
+    return out
+
+
+def _plan_experts(model: OnnxModel, opts: WeightOnlyOptions, include: NameMatcher, exclude: NameMatcher,
+                  overrides: NameMatcher) -> ExpertPlan:
+    """Which MoE nodes' experts become QMoE, with what settings (one for all the tensors of a node)."""
+    graph = model.graph
+    inits = model.initializers()
+    readers = Counter(name for n in graph.node for name in n.input)
+    outside = {o.name for o in graph.output} | subgraph_reads_of(graph)
+    ep = ExpertPlan()
+    for node in moe.candidates(graph, opts.op_types):
+        name = node.name or node.output[0]
+        group, why = moe.describe(node, inits, readers)
+        if group is None:
+            ep.skipped[name] = f"experts kept float: {why}"
+            continue
+        weights = list(group.weights.values())
+        for w in weights:
+            ep.tensors[w] = node
+        if any(w in outside for w in weights):
+            ep.skipped[name] = "experts kept float: an expert weight is also a graph output or read by a subgraph"
+            continue
+        if include and not any(include.matches(name, w) for w in weights):
+            ep.excluded[name] = "not matched by nodes_to_include"
+            continue
+        key = next((k for w in weights if (k := exclude.first(name, w)) is not None), None)
+        if key is not None:
+            ep.excluded[name] = f"excluded by nodes_to_exclude {key!r}"
+            continue
+        settings = []
+        for w in weights:
+            k = overrides.first(name, w)
+            settings.append(dict(opts.overrides[k]) if k is not None else {})
+        bits = {int(s.get("bits", opts.bits)) for s in settings}
+        blocks = {int(s.get("block_size", opts.block_size)) for s in settings}
+        sym = {bool(s.get("is_symmetric", opts.is_symmetric)) for s in settings}
+        if len(bits) > 1 or len(blocks) > 1 or len(sym) > 1:
+            ep.skipped[name] = ("experts kept float: overrides give its expert tensors different settings; one QMoE "
+                                "node has one width, block size and zero-point choice (ONNX Runtime's CPU kernel "
+                                "runs no mixed widths): give the node one override")
+            continue
+        group.bits, group.symmetric = bits.pop(), sym.pop()
+        block, note = moe.fit_block(group, blocks.pop())
+        if block is None:
+            ep.skipped[name] = (f"experts kept float: no block size from 16 up divides both expert widths "
+                                f"{group.hidden} and {group.inter} (QMoE needs one that does)")
+            continue
+        group.block_size, group.note = block, note
+        ep.groups.append(group)
+    return ep
 
 
 def _unmatched(
     graph: onnx.GraphProto, opts: WeightOnlyOptions, uses: dict[str, list[Use]],
-    matchers: list[tuple[NameMatcher, str]],
+    matchers: list[tuple[NameMatcher, str]], extra: set[str] | None = None,
 ) -> list[str]:
     """A warning for each selection pattern that matches no candidate node or weight name.
 
@@ -269,7 +380,7 @@ def _unmatched(
     pattern that names a real MatMul is not reported even when that MatMul has no weight.
     """
     names = {n.name for n in graph.node if n.op_type in opts.op_types and n.name}
-    names |= set(uses)
+    names |= set(uses) | (extra or set())
     out = []
     for matcher, what in matchers:
         for pattern in matcher.unmatched(names):

@@ -19,6 +19,7 @@ import onnx
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx import kernels
 from bitpress.onnx.tensors import np_dtype
+from bitpress.onnx.weightonly.moe import ExpertGroup
 from bitpress.onnx.weightonly.planning import FLOAT_TYPES, Group, Plan, WeightOnlyOptions, zero_point_kind
 from bitpress.onnx.weightonly.writing import planned_bytes
 
@@ -45,6 +46,7 @@ class WeightRow:
     kernel: str | None = None  # the ONNX Runtime kernel it will run on (bitpress.onnx.kernels), on the target
     slow: bool = False  # that kernel dequantizes the weight on every call (slower than float)
     tied: bool = False  # one table read by Gather and MatMul (embedding + LM head), stored once
+    experts: int | None = None  # a MoE node's expert tensor: how many experts it holds (written as QMoE)
     reason: str | None = None  # why it stays float
     note: str | None = None  # a setting the planner adjusted, or why a preset chose these bits
     expected_bits: float | None = None  # bits per weight its layout stores (integers + scales + zero points)
@@ -187,7 +189,9 @@ def nbits_kernel(opts: WeightOnlyOptions, float_zero_points: bool) -> KernelOf:
     """The kernel each group written by the host's :class:`~bitpress.onnx.weightonly.Writer` runs on."""
     level = opts.resolved_accuracy_level()
 
-    def kernel(group: Group) -> kernels.KernelPath:
+    def kernel(group: Group | ExpertGroup) -> kernels.KernelPath:
+        if isinstance(group, ExpertGroup):
+            return kernels.qmoe_path(group.bits, level, target=opts.target)
         if all(u.is_gather for u in group.uses):
             return kernels.KernelPath("gather")
         zp = zero_point_kind(group, float_zero_points)
@@ -238,7 +242,9 @@ def planned_report(model: OnnxModel, p: Plan, estimate: Estimate, kernel: Kernel
             node = next((n for n in model.graph.node if (n.name or n.output[0]) == what), None)
             ops = [f"{node.op_type} {what}"] if node is not None else []
             rows.append(WeightRow(what, ops, [], "", False, reason=why))
+    quantized = set(groups) | _expert_rows(p, inits, rows, report, kernel, slow)
     report.rows = rows
+    report.notes += p.advice
     for (label, reason, fix), weights in slow.items():
         report.notes.append(
             f"{len(weights)} weight(s) will run on ONNX Runtime's slow path ({label}; {weights[0]}"
@@ -246,13 +252,51 @@ def planned_report(model: OnnxModel, p: Plan, estimate: Estimate, kernel: Kernel
             + (f"; to avoid it: {fix}" if fix else ""))
     left_n = left_b = 0
     for name, t in inits.items():
-        if name in groups or t.data_type not in FLOAT_TYPES:
+        if name in quantized or t.data_type not in FLOAT_TYPES:
             continue
         n = int(np.prod(t.dims)) if len(t.dims) else 1
         left_n += n
         left_b += n * np_dtype(t).itemsize
     report.float_left_weights, report.float_left_bytes = left_n, left_b
     return report
+
+
+def _expert_rows(p: Plan, inits: dict[str, onnx.TensorProto], rows: list[WeightRow], report: Report,
+                 kernel: KernelOf | None, slow: dict[tuple[str, str | None, str | None], list[str]]) -> set[str]:
+    """One row per expert tensor of each MoE node (planned, excluded or left float); the planned weights."""
+    planned: set[str] = set()
+    for g in p.experts.groups:
+        path = kernel(g) if kernel is not None else None  # type: ignore[arg-type]
+        for role, weight in g.weights.items():
+            tensor = inits[weight]
+            numel = g.numel(role)
+            nbytes = g.stored_bytes(role, 2 if tensor.data_type == onnx.TensorProto.FLOAT16 else 4)
+            row = WeightRow(weight, [f"{g.node.op_type} {g.name} ({role})"], [int(d) for d in tensor.dims],
+                            _dtype_name(tensor), True, g.bits, g.block_size, g.symmetric,
+                            "none" if g.symmetric else "uint8", "QMoE", experts=g.experts, note=g.note,
+                            expected_bits=8 * nbytes / numel if numel else 0.0)
+            if path is not None:
+                row.kernel, row.slow = path.label, path.slow
+                if path.slow:
+                    slow.setdefault((path.label, path.reason, path.fix), []).append(weight)
+            rows.append(row)
+            planned.add(weight)
+            report.planned_groups += 1
+            report.planned_weights += numel
+            report.planned_bytes += nbytes
+    for weight, node in p.experts.tensors.items():
+        if weight in planned:
+            continue
+        name = node.name or node.output[0]
+        tensor = inits[weight]
+        reason = p.experts.excluded.get(name) or p.experts.skipped.get(name) or "not selected"
+        rows.append(WeightRow(weight, [f"{node.op_type} {name}"], [int(d) for d in tensor.dims], _dtype_name(tensor),
+                              False, experts=int(tensor.dims[0]), reason=reason))
+    for name, why in p.experts.skipped.items():
+        report.skipped[name] = why
+        if not any((n.name or n.output[0]) == name for n in p.experts.tensors.values()):
+            rows.append(WeightRow(name, [f"MoE {name}"], [], "", False, reason=why))
+    return planned
 
 
 def _dtype_name(tensor: onnx.TensorProto) -> str:

@@ -108,10 +108,13 @@ class Writer:
         zps = res.blocks.zero_points
         return self.float_zero_point_form == "correction" and zps is not None and zps.dtype != np.uint8
 
-    def _add(self, name: str, array: np.ndarray) -> None:
-        if array.dtype != np.int64:  # not the Reshape target shape
+    def add(self, name: str, array: np.ndarray, *, count: bool = True) -> None:
+        """A new initializer; ``count``: its bytes are quantized data (integers, scales, zero points)."""
+        if count and array.dtype != np.int64:  # not the Reshape target shape
             self.stored_bytes += array.nbytes
         self.new_inits.append(self.model.make_tensor(name, array))
+
+    _add = add
 
     def _matmul(self, u: Use, mt: layout.MatMulNBitsTensors, b: str, s: str, z: str,
                 fix: correction.Fix | None = None) -> None:
