@@ -10,7 +10,12 @@ input itself (an exporter reads whatever a folder holds):
 * a quantized model: an olive-format checkpoint (:mod:`bitpress.hf.olive`), whose integers,
   scales and zero points the builder copies into ``MatMulNBits`` unchanged, with the builder
   options that keep it faithful (float LM heads left float, ``fuse_qkv=false`` where q/k/v
-  differ).
+  differ);
+* a quantized mixture-of-experts model (``moe: true``): a float checkpoint with bitpress's
+  dequantized experts, built with QMoE experts; bitpress's integers, scales and zero points are then
+  written into the QMoE nodes, each checked against the builder's own (:mod:`bitpress.genai.moe`);
+  with mobius, whose float experts are a loop over experts, each loop is fused into a QMoE node
+  holding bitpress's integers, checked against mobius's float weights (:mod:`bitpress.genai.moe_loop`).
 
 Afterwards: the builder's tied quantized embedding (``GatherBlockQuantized`` reading the LM
 head's tensors) is given the 2-D scales and zero points ONNX Runtime requires (the builder
@@ -95,7 +100,7 @@ def build_genai(
 ) -> GenaiPackage:
     """Build ``model`` into a GenAI package in ``workdir`` with ``exporter`` (``builder`` or ``mobius``;
     see the module's docstring)."""
-    from bitpress.genai import mobius
+    from bitpress.genai import mobius, moe
     from bitpress.hf.olive import write_olive
 
     if exporter not in EXPORTERS:
@@ -116,13 +121,22 @@ def build_genai(
     for d in (staged, out):
         shutil.rmtree(d, ignore_errors=True)
     head_products: dict[str, np.ndarray] = {}
+    experts: list[Any] = []  # bitpress's quantized experts, written into the built QMoE nodes
     if not model.loaded and not _ours(model.source):
         ckpt = stage_files(model.source, staged, allow_pickle=model.allow_pickle)  # no torch load, no second copy
     else:
         from bitpress.hf import online
 
         head_products = online.check_exportable(model.torch_model())
-        ckpt = write_olive(model.torch_model(), staged, source=model.source, exporter=exporter)
+        if moe.quantized_moe(model.torch_model()):
+            experts = moe.check_moe(model.torch_model(), exporter)
+            cpu_eps = mobius.CPU_RUNNABLE if exporter == "mobius" else ("cpu",)
+            if ep not in cpu_eps or dtype not in ("auto", "f32"):
+                raise ExportError(f"bitpress writes its quantized experts into float32 CPU QMoE nodes (the layout "
+                                  f"checked); export with -e cpu and dtype auto or f32, not {ep} {dtype}")
+            ckpt = moe.stage_moe(model.torch_model(), staged, source=model.source)
+        else:
+            ckpt = write_olive(model.torch_model(), staged, source=model.source, exporter=exporter)
     if exporter == "mobius":  # one dtype for float weights and activations; quantized scales are cast to it
         from bitpress.models import hf_files
 
@@ -140,7 +154,7 @@ def build_genai(
             )
         # pre-quantized modules keep their own bits; the rest is excluded (kept float)
         precision = "int4" if ckpt.quantized else FLOAT_PRECISION.get(dtype, "fp32")
-        options = {**ckpt.builder_options, **(extra or {})}
+        options = {**ckpt.builder_options, **(moe.builder_options(experts) if experts else {}), **(extra or {})}
         if accuracy_level is not None:
             options["accuracy_level"] = str(int(accuracy_level))
         extra_args = ["-p", precision, "-e", ep]
@@ -152,10 +166,24 @@ def build_genai(
     _run_exporter(name, arguments, workdir, out, model.source.name, timeout)
     if exporter == "mobius":
         mobius.finish_mobius(out, hf_files.read_json(staged, "config.json"), accuracy_level)
+        if experts:
+            from bitpress.genai import moe_loop
+
+            try:  # 0 (the QMoE default): float32 activations for 4-bit experts
+                moe_loop.fuse_experts(out, experts, int(accuracy_level or 0), workdir)
+            except ExportError:
+                shutil.rmtree(out, ignore_errors=True)
+                raise
     else:
         fixed = fix_tied_gather_scales(out)
         if fixed:
             log.info("tied embedding: %d GatherBlockQuantized inputs reshaped to 2-D (the table stays shared)", fixed)
+        if experts:
+            try:
+                moe.write_experts(out, experts)
+            except ExportError:
+                shutil.rmtree(out, ignore_errors=True)
+                raise
     for module, matrix in head_products.items():  # a rotated model's product before its tied LM head
         from bitpress.hf.online import insert_before_head
 
@@ -175,7 +203,9 @@ def build_genai(
     shutil.rmtree(staged, ignore_errors=True)
     made = {"source": model.source.name, "passes": list(getattr(model, "history", []) or []),
             "exporter": "onnxruntime_genai.models.builder" if exporter == "builder" else "mobius build",
-            "exporter_arguments": extra_args, "checkpoint": "olive" if ckpt.quantized else "float",
+            "exporter_arguments": extra_args,
+            "checkpoint": "olive" if ckpt.quantized else "float, bitpress's experts written into QMoE" if experts
+            else "float",
             "components": ["embedding", "decoder"] if split else ["model"]}
     return GenaiPackage(model.source, out, made)
 

@@ -16,7 +16,11 @@ What mobius 0.1.0 gets wrong, measured here and handled:
 * ``bf16`` packages for ``cpu`` / ``default`` do not load in ONNX Runtime (no bf16 ``MatMul`` on
   its CPU EP): refused before the build;
 * ``MatMulNBits`` get ``accuracy_level`` 4 on every EP; an explicit ``accuracy_level`` is set on
-  them after the build.
+  them after the build;
+* ``genai_config.json``'s ``model.type`` is the Hugging Face ``model_type``, which
+  ``onnxruntime_genai`` 0.18 refuses for mixture-of-experts models ("Unsupported model_type":
+  ``mixtral``, ``qwen3_moe``, ``gpt_oss``): it is set to the decoder type ``onnxruntime_genai``
+  runs the same graph inputs and outputs with (:data:`GENAI_TYPES`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ log = logging.getLogger(__name__)
 MOBIUS_EPS = ("default", "cpu", "cuda", "dml", "webgpu", "trt-rtx", "qnn", "openvino")
 #: the EPs whose packages this machine can load and run (ONNX Runtime's CPU EP)
 CPU_RUNNABLE = ("default", "cpu")
+#: mobius's genai_config model types onnxruntime_genai 0.18 does not know -> the type it runs them as
+#: (a decoder-only LLM with the same inputs and outputs; measured: the packages generate, logits as the model's)
+GENAI_TYPES = {"mixtral": "mistral", "qwen3_moe": "qwen3", "gpt_oss": "gptoss"}
 
 
 def mobius_missing() -> str | None:
@@ -71,14 +78,23 @@ def finish_mobius(out: Path, config: dict, accuracy_level: int | None) -> None:
     """Correct what mobius writes (see the module's docstring) in the package ``out``."""
     path = out / "genai_config.json"
     positions = config.get("max_position_embeddings")
-    if path.is_file() and isinstance(positions, int) and positions > 0:
+    if path.is_file():
         cfg = json.loads(path.read_text())
         model, search = cfg.get("model", {}), cfg.get("search", {})
-        if model.get("context_length", 0) > positions or search.get("max_length", 0) > positions:
+        changed = False
+        if isinstance(positions, int) and positions > 0 and (model.get("context_length", 0) > positions
+                                                            or search.get("max_length", 0) > positions):
             log.info("genai_config.json: context_length %s -> %d (the model's max_position_embeddings)",
                      model.get("context_length"), positions)
             model["context_length"] = positions
             search["max_length"] = min(search.get("max_length", positions), positions)
+            changed = True
+        if model.get("type") in GENAI_TYPES:
+            log.info("genai_config.json: model type %s -> %s (onnxruntime_genai 0.18 does not know %s)",
+                     model["type"], GENAI_TYPES[model["type"]], model["type"])
+            model["type"] = GENAI_TYPES[model["type"]]
+            changed = True
+        if changed:
             path.write_text(json.dumps(cfg, indent=4) + "\n")
     if accuracy_level is not None:
         n = set_accuracy_level(out, accuracy_level)

@@ -19,7 +19,8 @@ components point at the same bytes.
 The graphs take ``input_ids`` / ``attention_mask`` (int64, dynamic batch and sequence) and give
 ``logits`` (or ``last_hidden_state``) for the whole sequence: no KV cache. Not exported: 2-bit
 weights (no ONNX Runtime kernel), mixture-of-experts models (the routing is data dependent, a
-trace would freeze it; fused 3-D expert tensors have no ONNX writer).
+trace would freeze it; fused 3-D expert tensors have no ONNX writer here: a GenAI package's QMoE
+nodes hold them, :mod:`bitpress.genai.moe`).
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def check_exportable(model: nn.Module) -> None:
         what = f"{len(fused)} tensors are" if len(fused) > 1 else "1 tensor is"
         problems.append(
             f"{what} fused MoE experts, quantized in 3-D ({summarize_names(fused)}): bitpress stores them but does "
-            "not export them to ONNX; export the experts with ONNX Runtime GenAI's model builder or Mobius instead"
+            "not export them to a traced ONNX graph; export them to a GenAI package (hf_to_genai, the builder's "
+            "QMoE: docs/moe.md lists the architectures) instead"
         )
     for bits, names in sorted(by_bits.items()):
         what = f"{len(names)} tensors are" if len(names) > 1 else "1 tensor is"
@@ -126,8 +128,9 @@ def check_exportable(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if (config is not None and config_is_moe(config)) or find_experts(model).roots:
         raise QuantizationError(
-            "mixture-of-experts models are not exported: the expert routing is data dependent and a traced graph "
-            "would freeze the experts chosen for the sample input; use ONNX Runtime GenAI's model builder or Mobius"
+            "mixture-of-experts models are not exported to a traced ONNX graph: the expert routing is data dependent "
+            "and a trace would freeze the experts chosen for the sample input; export a GenAI package instead "
+            "(hf_to_genai: the builder writes QMoE nodes, docs/moe.md)"
         )
 
 
