@@ -52,7 +52,8 @@ def experts_of(graph: onnx.GraphProto) -> list[dict[str, Any]]:
                          zero_points=len(node.input) > 11 and bool(node.input[11]),
                          kernel=path.label if path is not None else None)
         else:
-            entry["dtype"] = onnx.TensorProto.DataType.Name(dtypes.get(node.input[2], 0)).lower() if fc1 else None
+            name = onnx.TensorProto.DataType.Name(dtypes.get(node.input[2], 0)).lower() if fc1 else None
+            entry["dtype"] = "float32" if name == "float" else name
         out.append(entry)
     return out
 

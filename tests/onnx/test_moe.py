@@ -513,3 +513,38 @@ def test_float16_experts_get_float16_scales(tmp_path: Path) -> None:
     x = np.random.default_rng(1).standard_normal((9, H)).astype(np.float16)
     ref = _reference(x.astype(np.float32), {**_as_float(w), **got})
     assert np.linalg.norm(_run(out, x) - ref) / np.linalg.norm(ref) < 2e-3  # float16 activations' rounding
+
+
+def test_experts_from_the_float_model_when_not_sequential(tmp_path: Path) -> None:
+    src, out = tmp_path / "dec.onnx", tmp_path / "gptq.onnx"
+    _decoder_with_moe(src)
+    bitpress.run(
+        {
+            "input": str(src),
+            "output": str(out),
+            "data": {"source": "random", "samples": 4, "seq_len": 64},
+            "passes": [{"type": "gptq", "block_size": 16, "sequential": False, "expert_min_tokens": 16}],
+        }
+    )
+    assert _qmoe(onnx.load(out)).op_type == "QMoE"
+
+
+def test_inspect_and_passes_list_show_experts(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    src, out = tmp_path / "moe.onnx", tmp_path / "q.onnx"
+    _moe_model(src)
+    bitpress.run({"input": str(src), "output": str(out), "passes": [{"type": "rtn", "bits": 8, "block_size": 16}]})
+
+    def cli(*args: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "bitpress", *args], check=True, capture_output=True, text=True
+        ).stdout
+
+    text = cli("inspect", str(out), "--no-check")
+    assert "experts: /layers.0/moe_Q8: QMoE, 4 experts (top 2, swiglu, hidden 64): 8-bit, block 16" in text
+    assert "packed, int8 compute" in text
+    assert "MoE, 4 experts (top 2, swiglu, hidden 64): float32, not quantized" in cli("inspect", str(src))
+    rows = {line.split()[0]: line for line in cli("passes", "list").splitlines()[1:] if line.strip()}
+    assert "QMoE" in rows["rtn"] and "QMoE, per expert" in rows["gptq"] and "loops -> MoE" in rows["fuse_experts"]
