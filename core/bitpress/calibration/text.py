@@ -50,7 +50,8 @@ def load_tokenizer(path: Path) -> Any:
         from tokenizers import Tokenizer
     except ImportError:
         raise UsageError(
-            "text needs the 'tokenizers' package: pip install tokenizers (or bitpress[eval])"
+            "text needs the 'tokenizers' package: pip install tokenizers (bitpress's gptq, awq, kquant, hqq and eval "
+            "extras bring it)"
         ) from None
     try:
         return Tokenizer.from_file(str(path))
