@@ -217,34 +217,38 @@ class CalibratedPass(WeightOnlyPass):
         level = opts.resolved_accuracy_level()
         groups = p.experts.groups
         starved: list[experts.Starved] = []
-        captured = None
-        if not opts.sequential:  # every node's inputs from the model before any expert is quantized
-            captured = [experts.capture(model, g, feeds) for g in groups]
+        # sequential: each node's QMoE is written before the next node's inputs are read; otherwise every node is
+        # written at the end, so each reads its inputs from the model with the experts still float
+        writer = None if opts.sequential else Writer(model, level, opts.float_zero_point_form)
         with context.step(len(groups), "calibrating experts") as advance:
-            for i, g in enumerate(groups):
+            for g in groups:
                 # the graph's nodes were rewritten (copied) by the writers since planning: this node as it is now
                 g.node = next(n for n in model.graph.node if n.op_type == g.node.op_type
                               and list(n.output) == list(g.node.output))
-                x, logits = captured[i] if captured is not None else experts.capture(model, g, feeds)
+                x, logits = experts.capture(model, g, feeds)
                 # the solver of the node's weight, asked as for any weight (the plugin's contract takes a Group)
                 solver = self.calibrated_solver(Group(g.weights["fc1"], [], g.bits, g.block_size, g.symmetric))
                 done = experts.solve_experts(model, g, x, logits, solver, self.solver(), opts.expert_min_tokens)
                 del x, logits
-                writer = Writer(model, level, opts.float_zero_point_form)
-                qmoe.write(writer, g, done.solved, level)
-                writer.finish()
-                report.stored_bytes += writer.stored_bytes
-                for role, s in done.solved.items():
+                node_writer = writer or Writer(model, level, opts.float_zero_point_form)
+                qmoe.write(node_writer, g, done.solved, level)
+                if writer is None:
+                    node_writer.finish()
+                    report.stored_bytes += node_writer.stored_bytes
+                for role, solved in done.solved.items():
                     name = g.weights[role]
                     report.quantized += 1
-                    report.weights += s.packed.shape[0] * s.k
-                    report.record(name, s.error)
+                    report.weights += solved.packed.shape[0] * solved.k
+                    report.record(name, solved.error)
                     if role in done.output_errors:
                         report.record_output(name, done.output_errors[role])
                 starved += done.starved
                 log.info("%s: experts of %s solved on %s routed calibration tokens", self.name, g.name,
                          "/".join(map(str, done.tokens)))
                 advance(1)
+        if writer is not None:
+            writer.finish()
+            report.stored_bytes += writer.stored_bytes
         if starved:
             shown = "; ".join(s.text() for s in starved[:6]) + (f"; and {len(starved) - 6} more" if len(starved) > 6
                                                                  else "")

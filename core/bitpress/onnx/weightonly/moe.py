@@ -138,6 +138,8 @@ def describe(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
         return None, "unfused SwiGLU (swiglu_fusion=0) without fc3 weights"
     if attrs.get("quant_type") is not None:
         return None, "the MoE node has a quant_type attribute"
+    if any(node.input[8:]):
+        return None, "it has inputs after fc3_experts_bias, which ONNX Runtime 1.32's MoE does not define"
     for role, name in weights.items():
         t = inits.get(name)
         if t is None:

@@ -96,20 +96,18 @@ def quantize_weights(
                 job = pending.pop(fut)
                 solved = fut.result()
                 if isinstance(job, Group):
-                    res = result_of(job, solved)
-                    writer.write(res)  # protobuf edits stay on this thread
-                    report.weights += res.packed.shape[0] * res.k
-                    del res
-                else:
+                    weight = job.weight
+                    writer.write(result_of(job, solved))  # protobuf edits stay on this thread
+                else:  # an expert tensor: the node is written once all of its tensors are solved
                     eg, role = job
+                    weight = eg.weights[role]
                     mine = experts_done.setdefault(id(eg), {})
                     mine[role] = solved
-                    report.weights += solved.packed.shape[0] * solved.k
                     if len(mine) == len(eg.weights):
                         qmoe.write(writer, eg, experts_done.pop(id(eg)), level)
-                    job = eg.weights[role]
+                report.weights += solved.packed.shape[0] * solved.k
                 report.quantized += 1
-                report.record(job.weight if isinstance(job, Group) else job, solved.error)
+                report.record(weight, solved.error)
                 advance(1)
                 del solved
             del finished, fut  # the futures hold the results: drop them before trimming

@@ -8,7 +8,7 @@ import numpy as np
 from onnx import helper
 
 from bitpress.models.onnx_model import OnnxModel
-from bitpress.onnx import kernels, layout
+from bitpress.onnx import layout
 from bitpress.onnx.graph import MS_DOMAIN
 from bitpress.onnx.tensors import np_dtype
 from bitpress.onnx.weightonly.moe import BIAS_INPUTS, CARRIED, QMOE_INPUTS, ExpertGroup, attrs_of, input_of
@@ -61,14 +61,11 @@ def qmoe_tensors(group: ExpertGroup, solved: dict[str, Solved]) -> dict[str, Exp
     """The solved tensors in QMoE's layout: ``fc1`` (gate / up interleaved for SwiGLU) and ``fc2``."""
     out = {role: Expert3D.of(s, *group.shape(role)[:2]) for role, s in solved.items()}
     if group.swiglu and group.fusion == 2:
-        out["fc1"] = _interleave_pair(*out["fc1"].halves())
+        gate, up = out["fc1"].halves()
+        out["fc1"] = gate.interleaved(up)
     elif group.swiglu and group.fusion == 0:
-        out["fc1"] = _interleave_pair(out["fc1"], out.pop("fc3"))
+        out["fc1"] = out["fc1"].interleaved(out.pop("fc3"))
     return out
-
-
-def _interleave_pair(gate: Expert3D, up: Expert3D) -> Expert3D:
-    return gate.interleaved(up)
 
 
 def dequantized(t: Expert3D, bits: int, block_size: int) -> np.ndarray:
@@ -126,9 +123,6 @@ def write(writer: Writer, group: ExpertGroup, solved: dict[str, Solved], accurac
         names["fc1_bias"] = name
     names["input"], names["router_probs"] = node.input[0], node.input[1]
     inputs = [names.get(k, "") for k in QMOE_INPUTS]
-    extra = list(node.input[8:])  # inputs a later MoE schema adds (router weights, ...) keep their places
-    if any(extra):
-        inputs += extra
     while inputs and not inputs[-1]:
         inputs.pop()
     attrs = {k: v for k, v in attrs_of(node).items() if k in CARRIED}
@@ -140,7 +134,3 @@ def write(writer: Writer, group: ExpertGroup, solved: dict[str, Solved], accurac
     new = helper.make_node("QMoE", inputs, list(node.output), name=f"{group.name}_Q{group.bits}", domain=MS_DOMAIN,
                            **attrs)
     writer.replace[id(node)] = [new]
-
-
-def kernel_path(group: ExpertGroup, accuracy_level: int, target: str) -> kernels.KernelPath:
-    return kernels.qmoe_path(group.bits, accuracy_level, target=target)
