@@ -109,6 +109,6 @@ def test_the_plan_of_a_loop_graph_points_at_fuse_experts(tmp_path: Path) -> None
 def test_an_unnormalized_routing_is_left_as_it_is_with_the_reason(tmp_path: Path) -> None:
     src = tmp_path / "loop.onnx"
     _loop_model(src, normalize=False)
-    with pytest.raises(UsageError, match="not renormalized.*router_weights"):
+    with pytest.raises(UsageError, match=r"not renormalized.*router_weights"):
         bitpress.run({"input": str(src), "output": str(tmp_path / "o.onnx"), "passes": [{"type": "fuse_experts"}]})
     assert not (tmp_path / "o.onnx").exists()
