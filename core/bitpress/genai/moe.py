@@ -18,7 +18,11 @@ scales ``[E, N, K / block_size]`` in the activation dtype; optional uint8 zero p
 ``[E, N, ceil(K / block_size * bits / 8)]`` packed the same way (``2**(bits-1)`` when absent);
 ``swiglu_fusion=1``: fc1's rows interleaved ``gate0, up0, gate1, up1, ...``. Transformers keeps
 ``gate_up_proj`` ``[E, 2I, H]`` as ``[gate | up]``; per-expert lists (``gate_proj`` / ``up_proj`` /
-``down_proj`` or ``w1`` / ``w3`` / ``w2`` per expert) are stacked the same way.
+``down_proj`` or ``w1`` / ``w3`` / ``w2`` per expert) are stacked the same way. gpt-oss stores its
+experts transposed (``gate_up_proj`` ``[E, H, 2I]``, gate / up interleaved on the last axis;
+``down_proj`` ``[E, I, H]``); bitpress quantizes each expert's transpose, so its integers are
+already QMoE's fc1 ``[E, 2I, H]`` (interleaved) and fc2 ``[E, H, I]``; the staged float checkpoint
+holds their dequantization in the stored layout again.
 
 Supported: architectures the builder turns into ``QMoE`` on CPU and whose layout is checked here,
 and architectures whose experts mobius 0.1.0 builds as a loop over experts that
@@ -51,17 +55,20 @@ log = logging.getLogger(__name__)
 
 #: architectures whose experts bitpress writes as QMoE, with the exporter that builds them (measured with
 #: builder 0.18 and mobius 0.1.0, float32 cpu): the builder writes LFM2-MoE's QMoE nodes itself; mobius
-#: writes Mixtral's and Qwen3-MoE's experts as a loop over experts, fused into QMoE (:mod:`bitpress.genai.moe_loop`)
+#: writes Mixtral's, Qwen3-MoE's and gpt-oss's experts as a loop over experts, fused into QMoE
+#: (:mod:`bitpress.genai.moe_loop`); gpt-oss's transposed experts are quantized as their transpose (:func:`_transposed`)
 SUPPORTED = {"Lfm2MoeForCausalLM": ("LFM2-MoE", "builder"), "MixtralForCausalLM": ("Mixtral", "mobius"),
-             "Qwen3MoeForCausalLM": ("Qwen3-MoE", "mobius")}
+             "Qwen3MoeForCausalLM": ("Qwen3-MoE", "mobius"), "GptOssForCausalLM": ("gpt-oss", "mobius")}
 #: why an exporter cannot build an architecture's experts as QMoE (measured); the other exporter may
 WRONG_EXPORTER = {
     ("MixtralForCausalLM", "builder"): "the ONNX Runtime GenAI builder 0.18 has no Mixtral builder "
                                        "(NotImplementedError)",
     ("Qwen3MoeForCausalLM", "builder"): "the ONNX Runtime GenAI builder 0.18 has no Qwen3-MoE builder "
                                         "(NotImplementedError)",
-    ("Lfm2MoeForCausalLM", "mobius"): "bitpress fuses mobius's loops over experts for Mixtral and Qwen3-MoE only "
-                                      "(LFM2-MoE's sigmoid router with expert biases is not checked)",
+    ("Lfm2MoeForCausalLM", "mobius"): "bitpress fuses mobius's loops over experts for Mixtral, Qwen3-MoE and "
+                                      "gpt-oss only (LFM2-MoE's sigmoid router with expert biases is not checked)",
+    ("GptOssForCausalLM", "builder"): "the ONNX Runtime GenAI builder 0.18 builds gpt-oss QMoE only from the "
+                                      "original MXFP4 expert tensors (a float checkpoint gives a float MoE node)",
 }
 #: MoE architectures neither exporter builds as QMoE on cpu with bitpress's integers, and why (measured)
 UNSUPPORTED = {
@@ -69,8 +76,6 @@ UNSUPPORTED = {
                          "mobius's sparse-mixer router has no QMoE equivalent on cpu",
     "PhiMoEForCausalLM": "the ONNX Runtime GenAI builder 0.18 builds Phi-MoE (LongRoPE only) for CUDA only, and "
                          "mobius's sparse-mixer router has no QMoE equivalent on cpu",
-    "GptOssForCausalLM": "bitpress does not quantize gpt-oss's transposed (E, K, OUT) experts (the builder 0.18 "
-                         "builds gpt-oss QMoE only from the original MXFP4 expert tensors)",
 }
 QMOE_BITS = (4, 8)
 QMOE_BLOCKS = (32, 64, 128)  # CPU block-wise QMoE (the builder's help, 0.18)
@@ -142,7 +147,7 @@ def _stack(name: str, tensors: list[Any]) -> ExpertWeights:
         if s.zero_points == "float":
             raise ExportError(f"{name} has float zero points, which QMoE cannot hold: quantize experts with integer "
                               "zero points (rtn_hf, gptq_hf; kquant_hf float_zero_points: false)")
-        shape = s.shape if len(s.shape) == 3 else (1, *s.shape)
+        shape = s.quant_shape if len(s.shape) == 3 else (1, *s.quant_shape)  # rows [.., N, K], even if transposed
         b = t.blocks()
         qs.append(b.q.reshape(*shape[:-1], -1)[..., : s.k])
         scales.append(b.scales.reshape(*shape[:-1], s.n_blocks))
@@ -192,6 +197,27 @@ def _split_rows(w: ExpertWeights) -> tuple[ExpertWeights, ExpertWeights]:
 _LIST_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
+def _transposed(root: str, mod: Any, params: dict[str, Any]) -> tuple[ExpertWeights, ExpertWeights]:
+    """fc1 / fc2 of fused experts stored transposed (gpt-oss's ``gate_up_proj`` ``[E, H, 2I]`` with gate / up
+    interleaved on the last axis, ``down_proj`` ``[E, I, H]``): quantized as each expert's transpose
+    (``QuantSpec.transposed``), their integers are already QMoE's rows: fc1 ``[E, 2I, H]`` interleaved gate0, up0,
+    ..., fc2 ``[E, H, I]``. Only the known layouts (:data:`bitpress.hf.quantize.TRANSPOSED_EXPERTS`) qualify."""
+    from bitpress.hf.qtensor import QuantTensor
+    from bitpress.hf.quantize import transposed_layout_problem
+
+    out = []
+    for attr in ("gate_up_proj", "down_proj"):
+        problem = transposed_layout_problem(mod, attr)
+        if problem:
+            raise ExportError(f"{root}.{attr}: {problem}; no QMoE mapping")
+        t = params[attr]
+        if isinstance(t, QuantTensor) and not t.spec.transposed:
+            raise ExportError(f"{root}.{attr} is stored transposed (E, K, OUT) but its integers run along its last "
+                              "axis (quantized by an older bitpress?): requantize it with moe: true")
+        out.append(_stack(f"{root}.{attr}", [t]))
+    return out[0], out[1]
+
+
 def expert_layers(model: nn.Module) -> list[MoeLayer]:
     """bitpress's experts of every MoE layer, in QMoE form (fc1 interleaved, fc2 as is)."""
     from torch import nn as tnn
@@ -207,9 +233,9 @@ def expert_layers(model: nn.Module) -> list[MoeLayer]:
                               "cannot be found in the package")
         mod = mods[root]
         params = dict(mod.named_parameters(recurse=False))
-        if "gate_up_proj" in params and "down_proj" in params:
-            if getattr(mod, "is_transposed", False):
-                raise ExportError(f"{root} stores experts transposed (E, K, OUT); only (E, OUT, K) is exported")
+        if "gate_up_proj" in params and "down_proj" in params and getattr(mod, "is_transposed", False):
+            fc1, fc2 = _transposed(root, mod, params)
+        elif "gate_up_proj" in params and "down_proj" in params:
             gate, up = _split_rows(_stack(f"{root}.gate_up_proj", [params["gate_up_proj"]]))
             fc1 = _interleave(gate, up, f"{root}.gate_up_proj")
             fc2 = _stack(f"{root}.down_proj", [params["down_proj"]])

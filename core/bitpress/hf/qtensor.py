@@ -17,6 +17,12 @@ of ``group_size`` (K padded with zeros to ``n_blocks * group_size``):
   (float offsets, 4-bit linear weights only: what ``MatMulNBits`` accepts).
 
 ``w ~= (q - zero_point) * scale``, the convention of :mod:`bitpress.quant.solver`.
+
+Transposed fused experts (``QuantSpec.transposed``; gpt-oss's ``[E, K, OUT]`` tensors, which the
+forward multiplies as ``x @ w[e]``): the parameter keeps its stored shape ``[..., K, OUT]``, but the
+integers are those of its transpose ``[..., OUT, K]`` (:attr:`QuantSpec.quant_shape`), one row per
+output channel blocked along the input axis K; :meth:`QuantTensor.dequantize` transposes back to
+the stored layout, so the module runs unchanged.
 """
 
 from __future__ import annotations
@@ -53,30 +59,48 @@ class QuantSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     zero_points: str  # "none" | "uint8" | "float"
+    #: the integers are the transpose's (last two axes of ``shape`` swapped): rows along the middle axis
+    transposed: bool = False
+
+    @property
+    def quant_shape(self) -> tuple[int, ...]:
+        """The shape the integers are laid out in: ``[..., rows, K]`` (``shape``, or its transpose)."""
+        if not self.transposed:
+            return self.shape
+        return (*self.shape[:-2], self.shape[-1], self.shape[-2])
 
     @property
     def k(self) -> int:
-        return self.shape[-1]
+        return self.quant_shape[-1]
 
     @property
     def rows(self) -> int:
-        return int(np.prod(self.shape[:-1], dtype=np.int64))
+        return int(np.prod(self.quant_shape[:-1], dtype=np.int64))
 
     @property
     def n_blocks(self) -> int:
         return -(-self.k // self.group_size)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "bits": self.bits, "group_size": self.group_size, "symmetric": self.symmetric,
             "shape": list(self.shape), "dtype": dtype_name(self.dtype), "zero_points": self.zero_points,
         }
+        if self.transposed:  # only then: checkpoints without it read as before
+            out["transposed"] = True
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> QuantSpec:
+        transposed = d.get("transposed", False)
+        if not isinstance(transposed, bool):
+            raise ValueError(f"transposed must be true or false, not {transposed!r}")
+        shape = tuple(int(s) for s in d["shape"])
+        if transposed and len(shape) < 2:
+            raise ValueError(f"a transposed weight needs at least 2 axes, not shape {list(shape)}")
         return cls(
             bits=int(d["bits"]), group_size=int(d["group_size"]), symmetric=bool(d["symmetric"]),
-            shape=tuple(int(s) for s in d["shape"]), dtype=DTYPES[d["dtype"]], zero_points=str(d["zero_points"]),
+            shape=shape, dtype=DTYPES[d["dtype"]], zero_points=str(d["zero_points"]), transposed=transposed,
         )
 
 
@@ -169,13 +193,15 @@ class QuantTensor(torch.Tensor):
         else:
             zp = self.qzeros.to(torch.float32)
         w = (q - zp.unsqueeze(-1)) * self.scales.unsqueeze(-1)
-        w = w.reshape(s.rows, s.n_blocks * s.group_size)[:, : s.k]
-        return w.reshape(s.shape).to(s.dtype)
+        w = w.reshape(s.rows, s.n_blocks * s.group_size)[:, : s.k].reshape(s.quant_shape)
+        if s.transposed:  # back to the stored [..., K, OUT] the module multiplies by
+            w = w.transpose(-1, -2).contiguous()
+        return w.to(s.dtype)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         s = self.spec
         return (f"QuantTensor(shape={list(s.shape)}, bits={s.bits}, group_size={s.group_size}, "
-                f"symmetric={s.symmetric}, zero_points={s.zero_points})")
+                f"symmetric={s.symmetric}, zero_points={s.zero_points}{', transposed' if s.transposed else ''})")
 
     # Only dispatch-level handling: metadata (shape, dtype, device) comes from the wrapper.
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]

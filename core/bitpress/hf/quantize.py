@@ -11,8 +11,11 @@ named like ``experts`` / ``moe`` / ``block_sparse``, or a list of identical MLPs
 either ``nn.Linear`` weights of per-expert lists or the 3-D parameters of a fused experts module
 (``moe``). Routers stay float. A MoE block whose router has no experts found beside it stops
 the run before anything is touched, whatever ``moe`` says (fail-closed, per block). Weights are
-quantized along their last axis (K for ``[OUT, K]`` linears, hidden for ``[vocab, hidden]`` tables,
-K for fused ``(E, OUT, K)`` experts), in blocks of ``group_size``.
+quantized along their input axis in blocks of ``group_size``: the last axis for ``[OUT, K]`` linears,
+``[vocab, hidden]`` tables and fused ``(E, OUT, K)`` experts; the middle axis for the fused experts
+of the known transposed layouts (:data:`TRANSPOSED_EXPERTS`, gpt-oss's ``(E, K, OUT)``), whose
+integers are those of each expert's ``[OUT, K]`` transpose (``QuantSpec.transposed``). Any other
+transposed or unreported layout is refused.
 
 Tied parameters (one ``nn.Parameter`` reached from several modules, e.g. the input embedding
 and the LM head) are resolved per module: all quantized with one layout (one quantized tensor
@@ -47,6 +50,15 @@ CHUNK_ELEMENTS = 1 << 20
 #: tables save nothing and their error reaches every token
 MIN_TABLE_ROWS = 64
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
+#: fused experts stored transposed, ``(E, K, OUT)`` multiplied as ``x @ w[e]``, whose layout is known:
+#: class -> parameter -> (K, OUT) as (attribute of the module, multiple); every shape is checked against the
+#: module's own sizes before anything is quantized. gpt-oss (transformers 5.17 ``GptOssExperts``,
+#: ``is_transposed=True``, ``is_concatenated=False``): ``gate_up_proj`` ``[E, hidden, 2 * inter]`` (gate / up
+#: interleaved on the last axis), ``down_proj`` ``[E, inter, hidden]``
+TRANSPOSED_EXPERTS: dict[str, dict[str, tuple[tuple[str, int], tuple[str, int]]]] = {
+    "GptOssExperts": {"gate_up_proj": (("hidden_size", 1), ("intermediate_size", 2)),
+                      "down_proj": (("intermediate_size", 1), ("hidden_size", 1))},
+}
 
 
 @dataclass
@@ -78,6 +90,7 @@ class Job:
     kept_float: list[Endpoint]
     settings: Settings
     zero_points: str  # none | uint8 | float
+    transposed: bool = False  # fused (E, K, OUT) experts: quantize each expert's [OUT, K] transpose
 
     @property
     def name(self) -> str:
@@ -249,17 +262,41 @@ def _describe(s: Settings) -> str:
     return f"{s.bits} bits, group_size {s.group_size}, {'symmetric' if s.symmetric else 'asymmetric'}"
 
 
-def _experts_layout_problem(ep: Endpoint) -> str | None:
-    """Why a fused experts parameter cannot be quantized (shared by every tensor of that class), or None."""
+def transposed_layout_problem(module: nn.Module, attr: str) -> str | None:
+    """Why ``module.attr`` is not a fused experts tensor of a known transposed layout
+    (:data:`TRANSPOSED_EXPERTS`), or None when it is one."""
+    cls = type(module).__name__
+    known = TRANSPOSED_EXPERTS.get(cls)
+    if known is None:
+        return (f"{cls} stores fused experts transposed as (E, K, OUT) (is_transposed=True); bitpress quantizes "
+                f"that layout only for {', '.join(TRANSPOSED_EXPERTS)} (gpt-oss), whose shapes it checks")
+    if attr not in known:
+        return f"{cls}.{attr} is not one of its known transposed expert tensors ({', '.join(known)})"
+    if getattr(module, "is_concatenated", None) is not False:
+        return f"{cls} does not report gate / up interleaved (is_concatenated=False), the layout bitpress knows"
+    (k_attr, k_mul), (n_attr, n_mul) = known[attr]
+    sizes = [getattr(module, a, None) for a in ("num_experts", k_attr, n_attr)]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
+        return f"{cls} does not give num_experts / {k_attr} / {n_attr}, so the shape of {attr} cannot be checked"
+    e, k, n = sizes
+    want = (e, k * k_mul, n * n_mul)  # type: ignore[operator]
+    got = tuple(getattr(module, attr).shape)
+    if got != want:
+        return (f"{cls}.{attr} is {list(got)}, not the (E, K, OUT) {list(want)} its num_experts / {k_attr} / "
+                f"{n_attr} give")
+    return None
+
+
+def _experts_layout(ep: Endpoint) -> tuple[bool, str | None]:
+    """Whether a fused experts parameter is stored transposed, and why it cannot be quantized (None: it can)."""
     flag = getattr(ep.module, "is_transposed", None)
     cls = type(ep.module).__name__
     if flag is False:
-        return None
+        return False, None
     if flag is True:
-        return (f"{cls} stores fused experts transposed as (E, K, OUT) (is_transposed=True, "
-                "e.g. gpt-oss); only the (E, OUT, K) layout is supported")
-    return (f"{cls} does not report is_transposed, so the layout of its fused expert weights "
-            "cannot be verified; refusing rather than quantizing along the wrong dimension")
+        return True, transposed_layout_problem(ep.module, ep.attr)
+    return False, (f"{cls} does not report is_transposed, so the layout of its fused expert weights "
+                   "cannot be verified; refusing rather than quantizing along the wrong dimension")
 
 
 def check_experts(model: nn.Module, experts: Experts) -> None:
@@ -326,11 +363,17 @@ def plan(model: nn.Module, rules: Rules, *, float_zero_points: bool = False) -> 
         if kinds == {"embedding"} and param.shape[0] < MIN_TABLE_ROWS:
             out.skipped[name] = f"embedding table with {param.shape[0]} rows (< {MIN_TABLE_ROWS}): kept in float"
             continue
+        transposed = set()
         for ep in quantized:
             if ep.kind == "experts":
-                problem = _experts_layout_problem(ep)
+                flag, problem = _experts_layout(ep)
+                transposed.add(flag)
                 if problem:
                     layout_errors.append((ep.param_name, problem))
+        if len(transposed) > 1:
+            errors.append(f"{name} is reached as a transposed and as a plain fused experts tensor: its layout is "
+                          "ambiguous; refusing rather than quantizing along the wrong dimension")
+            continue
         k = int(param.shape[-1])
         if "embedding" in kinds and "linear" in kinds and k % s.group_size:
             # one table read by a Gather and a MatMul shares its bytes only when blocks tile its rows exactly
@@ -351,7 +394,7 @@ def plan(model: nn.Module, rules: Rules, *, float_zero_points: bool = False) -> 
             split = (f"tie split: quantized for {', '.join(ep.module_name for ep in quantized)}, "
                      f"float for {', '.join(ep.module_name for ep in kept)} ({why})")
             out.notes[name] = f"{out.notes[name]}; {split}" if name in out.notes else split
-        out.jobs.append(Job(param, quantized, kept, s, zp))
+        out.jobs.append(Job(param, quantized, kept, s, zp, transposed=transposed == {True}))
     if layout_errors:
         errors.append(summarize_problems(layout_errors, noun="fused expert tensors"))
     if errors:
@@ -409,10 +452,14 @@ def solve_rows(read: Callable[[int, int], np.ndarray], rows: int, k: int, s: Set
 
 
 def _solve(job: Job, solver: BlockSolver) -> _Solved:
-    w = job.param.detach().to(torch.float32).reshape(-1, job.param.shape[-1]).numpy()
+    t = job.param.detach().to(torch.float32)
+    if job.transposed:  # (E, K, OUT) -> each expert's [OUT, K] rows, blocked along K
+        t = t.transpose(-1, -2)
+    w = t.reshape(-1, t.shape[-1]).numpy()
     s = job.settings
     blocks, error = solve_rows(lambda r0, r1: w[r0:r1], w.shape[0], w.shape[1], s, job.zero_points, job.name, solver)
-    qspec = QuantSpec(s.bits, s.group_size, s.symmetric, tuple(job.param.shape), job.param.dtype, job.zero_points)
+    qspec = QuantSpec(s.bits, s.group_size, s.symmetric, tuple(job.param.shape), job.param.dtype, job.zero_points,
+                      transposed=job.transposed)
     return _Solved(job, QuantTensor.from_blocks(blocks, qspec), error)
 
 

@@ -9,7 +9,9 @@ first (:mod:`bitpress.hf.safetensors_writer`) and the tensors after it, each at 
 
 * a quantized weight is read from its file in row chunks and solved by
   :func:`bitpress.hf.quantize.solve_rows`, the solve of the in-memory path, in ``jobs`` threads
-  with a bounded number in flight; the driver writes ``P_qweight``, ``P_scales``, ``P_qzeros``;
+  with a bounded number in flight; the driver writes ``P_qweight``, ``P_scales``, ``P_qzeros``.
+  Transposed fused experts (gpt-oss's ``(E, K, OUT)``, ``quantize.Job.transposed``) are read one
+  expert matrix at a time and solved as its ``[OUT, K]`` transpose, as in memory;
 * every other tensor is copied through in bounded pieces, cast to the dtype the loaded model
   holds it in (transformers' ``dtype="auto"``: the parameter's).
 
@@ -132,7 +134,8 @@ def prepare(folder: Path, ckpt: CheckpointFiles, rules: Rules, *, float_zero_poi
                                   dtype=value.dtype))
             continue
         s = job.settings
-        spec = QuantSpec(s.bits, s.group_size, s.symmetric, tuple(job.param.shape), job.param.dtype, job.zero_points)
+        spec = QuantSpec(s.bits, s.group_size, s.symmetric, tuple(job.param.shape), job.param.dtype, job.zero_points,
+                         transposed=job.transposed)
         out.modules[canonical] = spec.to_json()
         entries = [Entry(f"{canonical}_qweight", "U8", (spec.rows, spec.n_blocks, s.group_size * s.bits // 8)),
                    Entry(f"{canonical}_scales", "F32", (spec.rows, spec.n_blocks))]
@@ -165,6 +168,33 @@ class RemoteSolve:
     zero_points: str
     name: str
     chunk_elements: int
+    transposed: bool = False  # (.., K, OUT) stored: solve each matrix's [OUT, K] transpose
+
+
+def _rows(read_stored: Callable[[int, int], torch.Tensor], shape: tuple[int, ...],
+          transposed: bool) -> tuple[Callable[[int, int], torch.Tensor], int, int]:
+    """The rows the solve reads (``read(r0, r1)``), their count and width: the stored rows, or for a transposed
+    ``(.., K, OUT)`` tensor the rows of each ``[K, OUT]`` matrix's transpose (one matrix read and kept at a time)."""
+    if not shape or not shape[-1]:
+        return read_stored, 0, 0
+    if not transposed:
+        return read_stored, int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
+    k, n = shape[-2], shape[-1]
+    held: dict[int, torch.Tensor] = {}
+
+    def read(r0: int, r1: int) -> torch.Tensor:
+        parts, r = [], r0
+        while r < r1:
+            e, i = divmod(r, n)
+            end = min(r1 - e * n, n)
+            if e not in held:
+                held.clear()
+                held[e] = read_stored(e * k, (e + 1) * k).T  # [OUT, K]
+            parts.append(held[e][i:end])
+            r = e * n + end
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    return read, int(np.prod(shape[:-2], dtype=np.int64)) * n, k
 
 
 def _solve_with(read_stored: Callable[[int, int], torch.Tensor], rows: int, k: int, dtype: torch.dtype,
@@ -184,9 +214,8 @@ def _solve(ckpt: CheckpointFiles, unit: Unit, solver: BlockSolver) -> _Solved:
     job = unit.job
     assert job is not None
     stored = ckpt.tensors[unit.source]
-    k = stored.shape[-1]
-    arrays, error = _solve_with(lambda r0, r1: ckpt.read_rows(unit.source, r0, r1), stored.numel // k if k else 0,
-                                k, job.param.dtype, job.settings, job.zero_points, job.name, solver)
+    read, rows, k = _rows(lambda r0, r1: ckpt.read_rows(unit.source, r0, r1), stored.shape, job.transposed)
+    arrays, error = _solve_with(read, rows, k, job.param.dtype, job.settings, job.zero_points, job.name, solver)
     return _Solved(unit, arrays, error)
 
 
@@ -195,7 +224,8 @@ def remote_task(ckpt: CheckpointFiles, unit: Unit) -> RemoteSolve:
     assert job is not None
     stored = ckpt.tensors[unit.source]
     return RemoteSolve(str(ckpt.real_path(stored.file)), stored.offset, stored.dtype, stored.shape,
-                       dtype_name(job.param.dtype), job.settings, job.zero_points, job.name, quantize.CHUNK_ELEMENTS)
+                       dtype_name(job.param.dtype), job.settings, job.zero_points, job.name, quantize.CHUNK_ELEMENTS,
+                       job.transposed)
 
 
 def solve_remote(task: RemoteSolve, solver: BlockSolver) -> tuple[list[np.ndarray], float]:
@@ -205,8 +235,7 @@ def solve_remote(task: RemoteSolve, solver: BlockSolver) -> tuple[list[np.ndarra
     from bitpress.hf.stream_checkpoint import TORCH_DTYPES
 
     quantize.CHUNK_ELEMENTS = task.chunk_elements  # the driver's chunking (a test may lower it)
-    k = task.shape[-1]
-    rows = int(np.prod(task.shape[:-1], dtype=np.int64)) if k else 0
+    k = task.shape[-1]  # of the stored rows
     itemsize = hf_files.SAFETENSORS_BITS[task.stored_dtype] // 8
     fd = os.open(task.path, os.O_RDONLY)
     try:
@@ -220,7 +249,8 @@ def solve_remote(task: RemoteSolve, solver: BlockSolver) -> tuple[list[np.ndarra
                 view, pos = view[n:], pos + n
             return torch.from_numpy(buf).view(TORCH_DTYPES[task.stored_dtype]).reshape(r1 - r0, k)
 
-        return _solve_with(read_stored, rows, k, DTYPES[task.dtype], task.settings, task.zero_points, task.name,
+        read, rows, width = _rows(read_stored, task.shape, task.transposed)
+        return _solve_with(read, rows, width, DTYPES[task.dtype], task.settings, task.zero_points, task.name,
                            solver)
     finally:
         os.close(fd)
