@@ -9,7 +9,15 @@ file (:class:`~bitpress.errors.UnsafePathError`). Files are opened right after t
 following a link at the last step, and the opened file must be the one checked, so swapping a
 file for a link between check and open is caught too.
 
+A folder that is (or lies in) a Hugging Face hub cache snapshot (``<cache>/models--org--name/
+snapshots/<rev>/``) has a stricter rule instead (:mod:`bitpress.hfcache`): no link to a folder is
+followed, and a link is accepted only when it leads, hop by hop, to a blob of the repository
+(``<cache>/models--org--name/blobs/<hash>``) or of the cache's marked shared store; the checked
+blob is what is returned, listed and opened.
+
 See docs/security.md.
+
+May import: errors, hfcache.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import stat
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import IO, Literal
 
+from bitpress import hfcache
 from bitpress.errors import ModelLoadError, UnsafePathError
 
 log = logging.getLogger(__name__)
@@ -90,12 +99,17 @@ def inside(root: str | os.PathLike[str], path: str | os.PathLike[str], what: str
     Every level of links is resolved; the result must lie in the resolved ``root``
     (``base`` when the caller has it already) and be a regular file (``kind="file"``), a folder
     (``"dir"``) or either (``"any"``). Raises :class:`UnsafePathError` for a path that leaves the
-    folder and :class:`ModelLoadError` for a missing, dangling or unreadable one.
+    folder and :class:`ModelLoadError` for a missing, dangling or unreadable one. In a Hugging Face
+    cache snapshot the rule of :func:`bitpress.hfcache.resolve` applies instead, and the result is
+    the checked blob.
     """
     base = base if base is not None else resolve_root(root)
     p = Path(path)
     if not p.is_absolute():
         p = Path(root) / p
+    snap = hfcache.snapshot_of(base)
+    if snap is not None:
+        return hfcache.resolve(snap, base, _relative(root, base, p, what), p, what, kind)
     try:
         real = p.resolve(strict=True)
     except FileNotFoundError:
@@ -122,6 +136,31 @@ def inside(root: str | os.PathLike[str], path: str | os.PathLike[str], what: str
         if kind == "dir" and not stat.S_ISDIR(mode):
             raise ModelLoadError(f"{what} {p} is not a folder")
     return real
+
+
+def _relative(root: str | os.PathLike[str], base: Path, p: Path, what: str) -> Path:
+    """``p`` as a name relative to the folder, read lexically (for a Hugging Face cache snapshot, where
+    links are followed by :mod:`bitpress.hfcache` only): under ``root`` as given, or under ``base``."""
+    try:
+        return p.relative_to(root)  # joined to the folder as given: its own parts, unnormalized
+    except ValueError:
+        pass
+    if ".." in p.parts:  # normalizing would go up lexically, where the system would follow a link
+        raise UnsafePathError(f"{what} {p} leaves the model's folder {base} (refused for safety)")
+    a = Path(os.path.abspath(p))
+    for top in (Path(os.path.abspath(root)), base):
+        if a.is_relative_to(top):
+            return a.relative_to(top)
+    raise UnsafePathError(f"{what} {p} is not inside the model's folder {base}; refused for safety")
+
+
+def hf_snapshot(folder: str | os.PathLike[str]) -> hfcache.Snapshot | None:
+    """The Hugging Face hub cache snapshot that ``folder`` (resolved here) is or lies in (:mod:`bitpress.hfcache`)."""
+    try:
+        real = Path(folder).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return hfcache.snapshot_of(real)
 
 
 def optional(root: str | os.PathLike[str], name: str, what: str) -> Path | None:

@@ -14,6 +14,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 from onnx import numpy_helper
 
+from bitpress import paths
 from bitpress.errors import ModelLoadError
 from bitpress.models.base import ModelHandle
 from bitpress.onnx.lazy_load import INLINE_PREFIX, load_lazy
@@ -67,10 +68,12 @@ class OnnxModel(ModelHandle):
             raise ModelLoadError(f"{path} is a folder; expected an .onnx file")
         if path.stat().st_size == 0:
             raise ModelLoadError(f"{path} is empty; expected an ONNX model")
+        # in a Hugging Face cache snapshot the .onnx is a link: read the blob it was checked to lead to
+        data = paths.inside(path.parent, path.name, "model") if paths.hf_snapshot(path.parent) else path
         # weights stored inside the .onnx stay in the file until a pass reads them
         location = f"{INLINE_PREFIX}{uuid.uuid4().hex}"
         try:
-            proto = load_lazy(path, location)
+            proto = load_lazy(data, location)
         except (DecodeError, ValueError, IndexError, RuntimeError, OSError, OverflowError) as exc:
             raise ModelLoadError(
                 f"{path} is not a valid ONNX model (truncated or another format): {_first_line(exc)}"
@@ -84,7 +87,7 @@ class OnnxModel(ModelHandle):
         except ModelLoadError as exc:
             raise ModelLoadError(f"{path} is not a valid ONNX model: {exc}") from None
         model = cls(proto, path)
-        model.resolver.extra[location] = path
+        model.resolver.extra[location] = data
         for tensor in iter_tensors(proto):
             if is_external(tensor):
                 model.resolver.validate(tensor)

@@ -16,7 +16,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from bitpress.errors import ModelLoadError, UnsafeExternalDataError
+from bitpress import paths
+from bitpress.errors import ModelLoadError, UnsafeExternalDataError, UnsafePathError
 from bitpress.onnx.lazy_load import INLINE_PREFIX
 from bitpress.paths import MAX_NAME_BYTES, MAX_PART_BYTES
 
@@ -131,6 +132,12 @@ def check_location(location: str, base_dir: Path, *, tensor: str) -> Path:
             f"tensor {tensor!r}: external data location {location!r} leaves the model's folder; "
             "move the data file beside the model (refused for safety)"
         )
+    if paths.hf_snapshot(base_dir):  # links must lead to the repository's blobs (bitpress.hfcache)
+        where = f"tensor {tensor!r}: external data location {location!r}"
+        try:
+            return paths.inside(base_dir, Path(*parts), where)
+        except UnsafePathError as exc:
+            raise UnsafeExternalDataError(str(exc)) from None
     try:
         base = base_dir.resolve()
         path = (base / Path(*parts)).resolve()
@@ -284,14 +291,28 @@ class ExternalResolver:
     """Maps external locations to files: the model's folder plus scratch files of passes."""
 
     def __init__(self, base_dir: Path) -> None:
-        self.base_dir = Path(base_dir)
+        #: the model's folder: external locations are names in it
+        self.folder = Path(base_dir)
         self.extra: dict[str, Path] = {}
+
+    @property
+    def base_dir(self) -> Path:
+        """The folder that every file :meth:`path` gives lies under, as far as it can be (what ONNX Runtime is
+        pointed at when the graph is handed over as bytes, :func:`bitpress.onnx.activations.relocate`): the
+        model's folder; for a model in a Hugging Face cache snapshot, the cache folder, which holds the
+        snapshot and the blobs its links were checked to lead to (:mod:`bitpress.hfcache`)."""
+        snap = paths.hf_snapshot(self.folder)
+        return snap.cache if snap is not None else self.folder
+
+    @base_dir.setter
+    def base_dir(self, folder: Path) -> None:
+        self.folder = Path(folder)
 
     def path(self, tensor: onnx.TensorProto) -> tuple[Path, ExternalRef]:
         ref = external_ref(tensor)
         if ref.location in self.extra:
             return self.extra[ref.location], ref
-        return check_location(ref.location, self.base_dir, tensor=tensor.name), ref
+        return check_location(ref.location, self.folder, tensor=tensor.name), ref
 
     def read(self, tensor: onnx.TensorProto) -> np.ndarray:
         """The tensor as a numpy array; external data is memory-mapped, not copied."""
