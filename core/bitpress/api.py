@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+from bitpress import hub
 from bitpress.calibration.data import DataConfig
 from bitpress.errors import OutputError
 from bitpress.evaluate import EvalResult  # also makes `bitpress.evaluate(...)` callable after `import bitpress`
@@ -24,7 +26,8 @@ from bitpress.workflow.config import (
     load_config,
     select_pass,
 )
-from bitpress.workflow.runner import RunResult, run, run_workflow
+from bitpress.workflow.runner import RunResult, run_workflow
+from bitpress.workflow.runner import run as run_config
 
 
 def load_model(path: str | Path, **options: Any) -> ModelHandle:
@@ -53,8 +56,14 @@ def quantize(
     strict: bool = True,
     isolate: bool = False,
     executor: Any = None,
+    subfolder: str | None = None,
 ) -> RunResult:
     """Quantize ``model`` with the pass that provides ``algorithm`` at ``precision``.
+
+    ``model``: a local ``.onnx`` file or folder, or (a string only) a Hugging Face Hub id
+    ``org/name[@revision]`` that is not a local path: resolved from the Hub cache (offline) or
+    downloaded into it (see :mod:`bitpress.hub`); ``subfolder`` (``--subfolder``) is the folder of
+    the model inside it (``onnx``, ``cpu-int4``), or inside a local folder. A Hub ``--tokenizer`` too.
 
     The CLI's ``quantize`` flags, by name: ``jobs`` (``--jobs``), ``overwrite`` (``--overwrite``),
     ``external_data`` (``--external-data`` True / ``--single-file`` False), ``max_shard_size``
@@ -77,7 +86,8 @@ def quantize(
     from bitpress.executors import ExecutorSpec
 
     registry = registry or get_registry()
-    model_path = Path(model)
+    model_path, source = resolve_input(model, subfolder)
+    data = resolve_data(data, source)
     spec = None if executor is None else ExecutorSpec.from_value(executor)
     cls = select_pass(registry, algorithm, precision, model_path)
     precision = canonical_precision(cls, precision)
@@ -92,6 +102,7 @@ def quantize(
         overwrite=overwrite,
         save=SaveOptions(external_data=external_data, max_shard_size=max_shard_size, check=check),
         data=None if data is None else DataConfig.from_value(data), isolate=bool(isolate), executor=spec,
+        origin=None if source is None else source.record(),
     )
     config_path = None if save_config is None else Path(save_config)
     if config_path is not None:
@@ -102,11 +113,117 @@ def quantize(
         if config_path.is_dir():
             raise OutputError(f"--save-config {config_path} is a folder; give a .yaml or .json file name")
     result = run_workflow(wf, registry, progress=progress)
+    if source is not None:
+        result.notes.append(hub.describe(source))
     if config_path is not None:
         # after the run: a pass in a plugin environment has its options typed by then (a config file's
         # values must be typed; --option strings are not)
         write_config(workflow_config(wf, config_path.parent, [precision], env_timeout=env_timeout), config_path)
     return result
+
+
+def run(
+    config: dict[str, Any] | str | Path,
+    *,
+    overwrite: bool | None = None,
+    jobs: int | None = None,
+    external_data: bool | None = None,
+    max_shard_size: int | None = None,
+    check: bool | None = None,
+    data: Any = None,
+    env_timeout: float | None = None,
+    progress: Any = None,
+    registry: Registry | None = None,
+    isolate: bool = False,
+    executor: Any = None,
+) -> RunResult:
+    """Run a workflow config (a mapping, or a JSON/YAML file): :func:`bitpress.workflow.runner.run`, with an
+    ``input:`` (and ``subfolder:``) or a ``data: tokenizer`` that is a Hugging Face Hub id resolved first
+    (:func:`resolve_config`); the run report and the output's metadata say which commit ran.
+
+    The keyword arguments are the CLI's ``run`` flags and override the config's settings when
+    given (``None``: as the config says): ``overwrite`` (``--overwrite``), ``jobs``,
+    ``external_data`` (True ``--external-data``, False ``--single-file``), ``max_shard_size``
+    (bytes), ``check=False`` (``--no-check``), ``data``, ``env_timeout``; ``isolate=True``
+    (``--isolate``) runs every pass in a worker process, as ``isolate: true`` does for one pass;
+    ``executor`` (``--executor``) replaces the config's ``executor:``.
+    """
+    config, source = resolve_config(config)
+    result = run_config(
+        config, overwrite=overwrite, jobs=jobs, external_data=external_data, max_shard_size=max_shard_size,
+        check=check, data=resolve_data(data, source), env_timeout=env_timeout, progress=progress, registry=registry,
+        isolate=isolate, executor=executor, origin=None if source is None else source.record(),
+    )
+    if source is not None:
+        result.notes.append(hub.describe(source))
+    return result
+
+
+# -- Hugging Face Hub ids ----------------------------------------------------------------------------
+def resolve_input(model: str | os.PathLike[str], subfolder: str | None = None,
+                  what: str = "model") -> tuple[Path, hub.HubModel | None]:
+    """The local path of ``model``: itself (and its ``subfolder``), or a Hub id's snapshot folder and its
+    :class:`~bitpress.hub.HubModel` (:func:`bitpress.hub.resolve`; a local path always wins)."""
+    return hub.resolve(model, subfolder=subfolder, what=what)
+
+
+def resolve_data(data: Any, source: hub.HubModel | None = None, base: Path | None = None) -> Any:
+    """Calibration data with a Hub id ``tokenizer`` made the local folder of its tokenizer; without a
+    tokenizer, a Hub model whose subfolder has none reads the one at its repo's root. Same type as given."""
+    import dataclasses
+
+    if data is None:
+        return None
+    tokenizer = data.tokenizer if isinstance(data, DataConfig) else data.get("tokenizer") \
+        if isinstance(data, dict) else None
+    if isinstance(tokenizer, str):
+        written = _as_written(tokenizer, base)
+        path, found = hub.resolve(written, what="tokenizer", base=base, kind="tokenizer")
+        new = str(found.tokenizer_dir or path) if found is not None else None
+    elif tokenizer is None and source is not None and source.tokenizer_dir not in (None, source.path):
+        new = str(source.tokenizer_dir)
+    else:
+        new = None
+    if new is None:
+        return data
+    if isinstance(data, DataConfig):
+        return dataclasses.replace(data, tokenizer=new)
+    if isinstance(data, dict):
+        return {**data, "tokenizer": new}
+    return {"source": data, "tokenizer": new} if isinstance(data, str) else data
+
+
+def resolve_config(config: dict[str, Any] | str | Path) -> tuple[dict[str, Any], hub.HubModel | None]:
+    """A workflow config (mapping or file, read with :func:`load_config`) whose ``input:`` is a Hub id made the
+    snapshot folder it resolves to (its ``subfolder:`` taken in), ``data: tokenizer`` too; and the input's
+    :class:`~bitpress.hub.HubModel` (None for a local input). A file's relative paths are its folder's, and an
+    existing one there always wins over a Hub id of the same name."""
+    base = None
+    if isinstance(config, dict):
+        config = dict(config)
+    else:
+        path = Path(config)
+        config = load_config(path)
+        base = path.parent
+    source = None
+    written = _as_written(config.get("input"), base)
+    if isinstance(written, str) and hub.hub_id(written, base) is not None:
+        subfolder = config.pop("subfolder", None)
+        resolved, source = hub.resolve(written, subfolder=subfolder, what="input", base=base)
+        config["input"] = str(resolved)
+    if isinstance(config.get("data"), dict | str):
+        config["data"] = resolve_data(config["data"], source, base)
+    return config, source
+
+
+def _as_written(value: Any, base: Path | None) -> Any:
+    """A config file's path as written in it (``load_config`` joined relative ones to the file's folder)."""
+    if base is None or not isinstance(value, str):
+        return value
+    try:
+        return Path(value).relative_to(base).as_posix()
+    except ValueError:
+        return value
 
 
 def workflow_config(
@@ -136,6 +253,10 @@ def workflow_config(
         "output": _relative(wf.output, folder),
         "passes": passes,
     }
+    if wf.origin is not None and wf.origin.get("hub"):  # the Hub id at the commit it ran on, not the cache's folder
+        config["input"] = f"{wf.origin['hub']}@{wf.origin['commit']}"
+        if wf.origin.get("subfolder"):
+            config["subfolder"] = wf.origin["subfolder"]
     if wf.components:
         config["components"] = list(wf.components)
     if wf.jobs:

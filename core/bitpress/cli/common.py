@@ -91,6 +91,28 @@ def parse_kv(items: list[str]) -> dict[str, str]:
 
 
 # -- what commands share ----------------------------------------------------------------------------
+#: the help of ``--subfolder`` (quantize, eval, export)
+SUBFOLDER_HELP = ("with a Hugging Face Hub id (org/name[@revision]) as the model: the folder of the model inside "
+                  "the repo, e.g. onnx or a GenAI package's cpu-int4")
+
+
+def hub_path(value: str, what: str, subfolder: str | None = None, kind: str | None = None) -> Path:
+    """A model argument as a local path: itself, or a Hub id's snapshot folder (``subfolder`` applies to Hub
+    ids only; a local path always wins), noting on stderr which commit it is (stdout may be JSON)."""
+    from bitpress.hub import describe, resolve
+
+    path, found = resolve(value, subfolder=subfolder if _is_hub(value) else None, what=what, kind=kind)
+    if found is not None:
+        print(f"note: {what}: {describe(found)}", file=sys.stderr)
+    return path
+
+
+def _is_hub(value: str) -> bool:
+    from bitpress.hub import hub_id
+
+    return hub_id(value) is not None
+
+
 def registry():
     """The plugin registry (imported when a command needs it: ``bitpress --help`` stays fast)."""
     from bitpress.plugins import get_registry

@@ -7,20 +7,23 @@ import json
 import sys
 from pathlib import Path
 
-from bitpress.cli.common import EXIT_OK, Deprecated, int_list, progress
+from bitpress.cli.common import EXIT_OK, SUBFOLDER_HELP, Deprecated, hub_path, int_list, progress
 
 
 def add_eval(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser("eval", help="compare a quantized model with its float reference (errors, perplexity, SQNR)")
-    ev.add_argument("quantized", type=Path, help="the quantized .onnx file or ONNX folder")
-    ev.add_argument("--reference", required=True, type=Path, help="the float .onnx file or folder it came from")
+    ev.add_argument("quantized", help="the quantized .onnx file or ONNX folder (or a Hub id org/name[@revision])")
+    ev.add_argument("--reference", required=True,
+                    help="the float .onnx file or folder it came from, or a Hugging Face Hub id org/name[@revision] "
+                         "(a local path wins)")
+    ev.add_argument("--subfolder", help=SUBFOLDER_HELP + " (for each Hub id given)")
     ev.add_argument("--data", help="inputs to compare on: random (default), a .npz file or folder, a .txt (tokenizer)")
     ev.add_argument("--samples", type=int, default=8, help="model runs to compare (default 8)")
     ev.add_argument("--seq-len", type=int, default=128, help="tokens per sample / perplexity window (default 128)")
     ev.add_argument("--batch", type=int, default=1, help="samples per run (default 1)")
     ev.add_argument("--seed", type=int, default=0, help="seed of random inputs (default 0)")
     ev.add_argument("--text", type=Path, help="text file: perplexity of both models on it (needs a tokenizer)")
-    ev.add_argument("--tokenizer", help="tokenizer.json or its folder (default: the models' folders)")
+    ev.add_argument("--tokenizer", help="tokenizer.json or its folder, or a Hub id (default: the models' folders)")
     ev.add_argument("--max-windows", type=int, help="perplexity on at most this many windows (default: all)")
     ev.add_argument("--jobs", type=int, default=1, help="ONNX Runtime intra-op threads (default 1)")
     ev.add_argument("--threads", dest="jobs", type=int, action=Deprecated, replacement="--jobs",
@@ -58,9 +61,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from bitpress.api import evaluate
     from bitpress.evaluate.report import text_lines
 
+    quantized = hub_path(args.quantized, "the quantized model", args.subfolder)
+    reference = hub_path(args.reference, "--reference", args.subfolder)
+    tokenizer = None if args.tokenizer is None else str(hub_path(args.tokenizer, "--tokenizer", kind="tokenizer"))
     result = evaluate(
-        args.quantized, args.reference, data=args.data, samples=args.samples, seq_len=args.seq_len,
-        batch=args.batch, seed=args.seed, text=args.text, tokenizer=args.tokenizer, max_windows=args.max_windows,
+        quantized, reference, data=args.data, samples=args.samples, seq_len=args.seq_len,
+        batch=args.batch, seed=args.seed, text=args.text, tokenizer=tokenizer, max_windows=args.max_windows,
         jobs=args.jobs, weights=not args.no_weights, progress=progress, speed=not args.no_speed,
         speed_runs=args.speed_runs,
     )

@@ -8,15 +8,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bitpress.cli.common import EXIT_FAIL, EXIT_OK, mb, parse_kv, progress, report
+from bitpress.cli.common import EXIT_FAIL, EXIT_OK, SUBFOLDER_HELP, mb, parse_kv, progress, report
 from bitpress.errors import UsageError, ValidationError
 
 
 def add_export(sub: argparse._SubParsersAction) -> None:
     x = sub.add_parser("export", help="a Hugging Face model (float or quantized) to ONNX or an ONNX Runtime "
                                       "GenAI package")
-    x.add_argument("model", type=Path, help="a Hugging Face folder (float, or written by a bitpress *_hf pass), "
-                                            "or a .gguf file (bitpress[gguf])")
+    x.add_argument("model", help="a Hugging Face folder (float, or written by a bitpress *_hf pass), a Hub id "
+                                 "org/name[@revision] (a local path wins), or a .gguf file (bitpress[gguf])")
+    x.add_argument("--subfolder", help=SUBFOLDER_HELP)
     x.add_argument("-o", "--output", required=True, type=Path, help="output folder (mirrors the input's name)")
     x.add_argument("--runtime", choices=("genai", "onnx"), default="genai",
                    help="genai: a GenAI package by a real exporter (KV cache, genai_config.json); onnx: bitpress's "
@@ -64,8 +65,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
     elif args.dtype != "auto" or args.ep != "cpu" or args.exporter != "builder":
         raise UsageError("--exporter, --dtype and --ep apply to --runtime genai")
     step.update(_typed_options(step["type"], parse_kv(args.option)))
-    result = run({"input": str(args.model), "output": str(args.output), "passes": [step]},
-                 overwrite=args.overwrite or None, progress=progress)
+    config: dict[str, Any] = {"input": args.model, "output": str(args.output), "passes": [step]}
+    if args.subfolder:
+        config["subfolder"] = args.subfolder
+    result = run(config, overwrite=args.overwrite or None, progress=progress)
     report(result, args.json)
     return EXIT_OK
 

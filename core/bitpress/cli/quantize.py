@@ -7,13 +7,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bitpress.cli.common import EXIT_OK, parse_kv, progress, report, size
+from bitpress.cli.common import EXIT_OK, SUBFOLDER_HELP, hub_path, parse_kv, progress, report, size
 from bitpress.errors import UsageError
 
 
 def add_quantize(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser("quantize", help="quantize a model with one pass")
-    q.add_argument("-m", "--model", required=True, type=Path, help=".onnx file or ONNX folder")
+    q.add_argument("-m", "--model", required=True,
+                   help=".onnx file or ONNX folder, or a Hugging Face Hub id org/name[@revision] (a local path wins)")
+    q.add_argument("--subfolder", help=SUBFOLDER_HELP)
     q.add_argument("-o", "--output", required=True, type=Path,
                    help="output .onnx file, or a folder (mirrors the input's name / layout)")
     q.add_argument("--algorithm", required=True, help="e.g. rtn, hqq, kquant (see `passes list`)")
@@ -82,18 +84,20 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     from bitpress.api import quantize
 
     if args.plan:
+        from bitpress.api import resolve_input
         from bitpress.workflow.plan import plan_quantize
 
-        return _show_plan(plan_quantize(args.model, algorithm=args.algorithm, precision=args.precision,
+        model, _ = resolve_input(args.model, args.subfolder, "--model")  # a local folder's subfolder too
+        return _show_plan(plan_quantize(model, algorithm=args.algorithm, precision=args.precision,
                                         options=_options(args), components=args.components,
-                                        strict=False, data=_data(args)), args.json)
+                                        strict=False, data=_plan_data(args)), args.json)
     result = quantize(
         args.model, args.output, algorithm=args.algorithm, precision=args.precision,
         options=_options(args), strict=False, components=args.components, jobs=args.jobs,
         overwrite=args.overwrite, external_data=args.external_data,
         max_shard_size=args.max_shard_size, check=not args.no_check, data=_data(args), progress=progress,
         env_timeout=args.env_timeout, save_config=args.save_config, isolate=args.isolate,
-        executor=_executor(args),
+        executor=_executor(args), subfolder=args.subfolder,
     )
     report(result, args.json, args.show_weights)
     return EXIT_OK
@@ -103,9 +107,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from bitpress.api import run
 
     if args.plan:
+        from bitpress.api import resolve_config
         from bitpress.workflow.plan import plan_run
 
-        return _show_plan(plan_run(args.config, data=_data(args)), args.json)
+        config, _ = resolve_config(args.config)  # a Hub id input: the snapshot folder it resolves to
+        return _show_plan(plan_run(config, data=_plan_data(args)), args.json)
     # the flags override the config's settings; those not given leave them as the config says
     result = run(
         args.config, overwrite=True if args.overwrite else None, jobs=args.jobs, external_data=args.external_data,
@@ -141,6 +147,14 @@ def _data(args: argparse.Namespace) -> dict[str, Any] | None:
     data = {"source": args.data, "samples": args.samples, "seq_len": args.seq_len, "tokenizer": args.tokenizer,
             "generated": args.generated}
     return {k: v for k, v in data.items() if v is not None or k == "tokenizer"}
+
+
+def _plan_data(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``_data`` with a Hub id ``--tokenizer`` resolved (a run resolves it in the API)."""
+    data = _data(args)
+    if data and data.get("tokenizer"):
+        data["tokenizer"] = str(hub_path(data["tokenizer"], "--tokenizer", kind="tokenizer"))
+    return data
 
 
 def _show_plan(result: Any, as_json: bool) -> int:

@@ -57,6 +57,9 @@ class Workflow:
     #: the tokenizer a pass named (Olive's ``tokenizer_dir``) while no ``data`` was given: the one the model's own
     #: calibration text is read with, when the run gives a pass that text
     tokenizer: str | None = None
+    #: where the input came from when it is not a local path (a Hub id: ``{"hub", "revision", "commit",
+    #: "subfolder", "kind"}``, see :mod:`bitpress.hub`): kept in the run report and the output's metadata
+    origin: dict[str, Any] | None = None
 
 
 # -- building a workflow from a config --------------------------------------------------------
@@ -195,7 +198,7 @@ def load_config(path: Path) -> dict[str, Any]:
 
 
 _TOP_KEYS = {"input", "output", "passes", "components", "jobs", "overwrite", "save", "data", "env_timeout",
-             "input_model", "output_dir", "executor"}
+             "input_model", "output_dir", "executor", "subfolder"}
 #: sections of an Olive workflow file that say where and how Olive runs and evaluates: bitpress runs the passes
 #: here and evaluates with ``bitpress eval``, so it reads past them, naming them in a warning
 OLIVE_IGNORED = ("engine", "systems", "evaluators", "evaluator", "search_strategy", "host", "target",
@@ -369,6 +372,12 @@ def build_workflow(config: dict[str, Any], registry: Registry | None = None) -> 
         dst = _path(config["engine"], "output_dir")  # Olive's older place for it
     if not src or not dst:
         raise ConfigError("the config needs 'input' (a model) and 'output' (where to write it)")
+    subfolder = _path(config, "subfolder")  # a folder inside the input (a Hub id's is resolved before, by the API)
+    if subfolder is not None:
+        parts = Path(subfolder.replace("\\", "/")).parts
+        if Path(subfolder).is_absolute() or ".." in parts:
+            raise ConfigError(f"subfolder: {subfolder!r} must be a folder inside the input (no .., not absolute)")
+        src = str(Path(src) / subfolder)
     jobs = check_jobs(config.get("jobs"))
     executor = _executor(config.get("executor"))
     overwrite = config.get("overwrite")

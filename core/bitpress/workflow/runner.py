@@ -52,6 +52,8 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
     #: (model or component, bitpress.onnx.kernels.RuntimePaths): the kernel each quantized node runs on
     runtime: list[tuple[str, Any]] = field(default_factory=list)
+    #: where the input came from when not a local path (a Hub id: hub, revision, commit, subfolder, kind)
+    source: dict[str, Any] | None = None
 
     @property
     def companion_bytes(self) -> int:
@@ -76,6 +78,7 @@ class RunResult:
             "companion_bytes": self.companion_bytes,
             "ratio": round(self.ratio, 4),
             "notes": list(self.notes),
+            "source": self.source,
             "runtime": [{"model": where, **paths.to_json()} for where, paths in self.runtime],
             "reports": [
                 {"pass": name, "model": str(src), "summary": rep.summary() if hasattr(rep, "summary") else str(rep),
@@ -165,12 +168,15 @@ def run_workflow(
             else:
                 model = _run_passes(model, wf, registry, context, seconds)
                 name = wf.output.name if not folder_out else src.name
+                if folder_out and wf.origin and wf.origin.get("hub"):  # a Hub id's repo name, not the cache's commit
+                    name = str(wf.origin["hub"]).rsplit("/", 1)[-1]
                 if folder_out and src.is_file() and getattr(model, "kind", "") == "genai-package":
                     name = src.stem  # a file (a .gguf) become a package folder: not a folder named like a file
                 dest = payload / name
                 t0 = time.perf_counter()
                 files = _save(registry, model, dest, wf.save)
                 _note_checker(context, model, dest)
+                _note_source(files, wf.origin)
                 seconds["save"] = time.perf_counter() - t0
                 staged = payload if folder_out else dest
             with deferred():  # a signal now waits until the output is wholly in place, or not at all
@@ -205,7 +211,7 @@ def run_workflow(
     return RunResult(wf.output, final_files, seconds, in_bytes, out_bytes, list(context.extras.get("reports", [])),
                      input_model_bytes=int(context.extras.get("input_model_bytes", in_bytes)),
                      output_model_bytes=out_bytes - companions, notes=list(context.extras.get("notes", [])),
-                     runtime=list(context.extras.get("runtime", [])))
+                     runtime=list(context.extras.get("runtime", [])), source=wf.origin)
 
 
 def _note_checker(context: PassContext, model: ModelHandle, dest: Path) -> None:
@@ -242,9 +248,32 @@ def _run_passes(
         model = check_result(step.pass_, result, step.label)
         key = f"{prefix}{step.pass_.name}"
         seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t0
-        record_pass(model, step.pass_)
+        record_pass(model, step.pass_, wf.origin)
     _note_runtime(context, model, wf, prefix)
     return model
+
+
+#: the package manifest's name (bitpress.genai.manifest.MANIFEST; genai imports this package, not the reverse)
+MANIFEST_NAME = "bitpress-manifest.json"
+
+
+def _note_source(files: list[Path], source: dict[str, Any] | None) -> None:
+    """Where the input came from (a Hub id and its commit) in the ``made`` record of a written package's manifest.
+
+    The manifest does not list itself, so its file list and checksums stay true.
+    """
+    if source is None:
+        return
+    for f in files:
+        if f.name != MANIFEST_NAME or not f.is_file():
+            continue
+        try:
+            data = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("made", {}), dict):
+            data["made"] = {**data.get("made", {}), "input": source}
+            f.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
 def _note_runtime(context: PassContext, model: ModelHandle, wf: Workflow, prefix: str) -> None:
@@ -270,12 +299,13 @@ def _note_runtime(context: PassContext, model: ModelHandle, wf: Workflow, prefix
 METADATA_KEY = "bitpress"
 
 
-def record_pass(model: ModelHandle, pass_: Pass) -> None:
+def record_pass(model: ModelHandle, pass_: Pass, source: dict[str, Any] | None = None) -> None:
     """Append ``pass_`` (name, plugin, options) to the ``bitpress`` metadata of an ONNX model.
 
     ``bitpress eval`` reads it back to name the algorithm and its options. The record holds
     nothing that varies between equal runs (no paths, times or thread counts), so the same
-    pass on the same input still writes the same bytes.
+    pass on the same input still writes the same bytes. ``source``: where the input came from
+    (a Hub id's repo, revision and commit: :attr:`Workflow.origin`), kept as ``"source"``.
     """
     if not isinstance(model, OnnxModel):
         return
@@ -296,9 +326,12 @@ def record_pass(model: ModelHandle, pass_: Pass) -> None:
         options = as_dict(pass_.options)
     except TypeError:  # options that are not a dataclass
         options = {}
+    previous = record.get("source")
     record = {"version": __version__, "passes": [*record.get("passes", []), {
         "pass": pass_.name, "plugin": getattr(pass_, "plugin", "?"), "options": options,
     }]}
+    if source is not None or previous is not None:
+        record["source"] = source if source is not None else previous
     value = json.dumps(record, sort_keys=True, default=str)
     if index is None:
         entry = props.add()
@@ -320,7 +353,9 @@ def _run_package(
         model = package.component(rel)
         model = _run_passes(model, wf, registry, context, seconds, prefix=f"{rel}:")
         t0 = time.perf_counter()
-        files += _save(registry, model, payload / rel, wf.save)
+        saved = _save(registry, model, payload / rel, wf.save)
+        _note_source(saved, wf.origin)
+        files += saved
         _note_checker(context, model, payload / rel)
         seconds[f"{rel}:save"] = time.perf_counter() - t0
         if isinstance(model, OnnxModel):
@@ -472,6 +507,7 @@ def run(
     registry: Registry | None = None,
     isolate: bool = False,
     executor: Any = None,
+    origin: dict[str, Any] | None = None,
 ) -> RunResult:
     """Run a workflow config (a mapping, or a JSON/YAML file).
 
@@ -480,7 +516,8 @@ def run(
     ``external_data`` (True ``--external-data``, False ``--single-file``), ``max_shard_size``
     (bytes), ``check=False`` (``--no-check``), ``data``, ``env_timeout``; ``isolate=True``
     (``--isolate``) runs every pass in a worker process, as ``isolate: true`` does for one pass;
-    ``executor`` (``--executor``) replaces the config's ``executor:``.
+    ``executor`` (``--executor``) replaces the config's ``executor:``. ``origin``: where the input came
+    from (:attr:`Workflow.origin`; :func:`bitpress.run` gives it for a Hub id).
     """
     config = dict(config) if isinstance(config, dict) else load_config(Path(config))
     if overwrite is not None:
@@ -501,4 +538,6 @@ def run(
     wf = build_workflow(config, registry)
     if isolate:
         wf.isolate = True
+    if origin is not None:
+        wf.origin = origin
     return run_workflow(wf, registry, progress=progress)
