@@ -106,11 +106,11 @@ def resolve(snap: Snapshot, base: Path, rel: PurePath, shown: Path, what: str, k
         except FileNotFoundError:
             raise ModelLoadError(f"{what} {shown} not found") from None
         except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot read {what} {shown}: {_reason(exc)}") from None
+            raise ModelLoadError(f"cannot read {what} {shown}: {os_reason(exc)}") from None
         if stat.S_ISLNK(mode):
             if not last:
                 raise UnsafePathError(
-                    f"{what} {shown}: {cur} is a symbolic link to a folder ({_readlink(cur)}) in a Hugging Face "
+                    f"{what} {shown}: {cur} is a symbolic link to a folder ({readlink_text(cur)}) in a Hugging Face "
                     "cache snapshot, where only links to blob files are accepted; refused for safety"
                 )
             cur = follow(snap, cur, shown, what)
@@ -133,7 +133,7 @@ def follow(snap: Snapshot, link: Path, shown: Path, what: str) -> Path:
     with the shared store's marker). Raises :class:`UnsafePathError` for anything else, and
     :class:`ModelLoadError` for a link to a missing blob of the repository.
     """
-    target = _readlink(link)
+    target = readlink_text(link)
 
     def refuse(why: str, cls: type[ModelLoadError] = UnsafePathError) -> ModelLoadError:
         if cls is not UnsafePathError:  # a blob of the repository that is missing: a broken download
@@ -152,7 +152,7 @@ def follow(snap: Snapshot, link: Path, shown: Path, what: str) -> Path:
         if mode is None:
             raise refuse("(a dangling link: the blob is missing; download the file again)", ModelLoadError)
         if stat.S_ISLNK(mode):  # a blob moved to the shared store: one more hop, into the store only
-            first, second = hop, _readlink(hop)
+            first, second = hop, readlink_text(hop)
             hop = _hop(first, second, refuse)
             if not _in_store(snap, hop):
                 raise refuse(f"(through {first}, a link to {second}, which is not a blob of the cache's marked "
@@ -175,7 +175,7 @@ def follow(snap: Snapshot, link: Path, shown: Path, what: str) -> Path:
     try:
         real = Path(os.path.realpath(link, strict=True))
     except (OSError, RuntimeError, ValueError) as exc:
-        raise refuse(f"(it cannot be resolved: {_reason(exc)})") from None
+        raise refuse(f"(it cannot be resolved: {os_reason(exc)})") from None
     if real != hop:
         raise refuse(f"(checked as {hop}, but it resolves to {real})")
     return hop
@@ -190,7 +190,7 @@ def _hop(link: Path, target: str, refuse: Callable[..., ModelLoadError]) -> Path
     try:
         folder = os.path.realpath(lexical.parent)
     except (OSError, ValueError) as exc:
-        raise refuse(f"(it cannot be resolved: {_reason(exc)})") from None
+        raise refuse(f"(it cannot be resolved: {os_reason(exc)})") from None
     if Path(folder) != lexical.parent:
         raise refuse(f"(through a linked folder: its folder {lexical.parent} is really {folder})")
     return lexical
@@ -238,18 +238,20 @@ def _kind(mode: int) -> str:
     return "not a file"
 
 
-def _readlink(p: Path) -> str:
+def readlink_text(p: Path) -> str:
+    """Where the link ``p`` points, as written, for a message ("?" when it cannot be read)."""
     try:
         return os.readlink(p)
     except (OSError, ValueError):
         return "?"
 
 
-def _reason(exc: BaseException) -> str:
+def os_reason(exc: BaseException) -> str:
+    """An exception as the short reason a message gives (an OS error's strerror, else its first line)."""
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
 
-__all__ = ["Snapshot", "follow", "resolve", "shared_store_marked", "snapshot_of"]
+__all__ = ["Snapshot", "follow", "os_reason", "readlink_text", "resolve", "shared_store_marked", "snapshot_of"]

@@ -32,6 +32,7 @@ from typing import IO, Literal
 
 from bitpress import hfcache
 from bitpress.errors import ModelLoadError, UnsafePathError
+from bitpress.hfcache import os_reason, readlink_text
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def resolve_root(root: str | os.PathLike[str]) -> Path:
     try:
         real = Path(root).resolve(strict=True)
     except (OSError, RuntimeError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read the model folder {root}: {_reason(exc)}") from None
+        raise ModelLoadError(f"cannot read the model folder {root}: {os_reason(exc)}") from None
     if not real.is_dir():
         raise ModelLoadError(f"{root} is not a folder")
     return real
@@ -115,13 +116,13 @@ def inside(root: str | os.PathLike[str], path: str | os.PathLike[str], what: str
     except FileNotFoundError:
         if _is_link(p):
             raise ModelLoadError(
-                f"{what} {p} is a dangling symbolic link (to {_readlink(p)}); remove it or copy the file in"
+                f"{what} {p} is a dangling symbolic link (to {readlink_text(p)}); remove it or copy the file in"
             ) from None
         raise ModelLoadError(f"{what} {p} not found") from None
     except (OSError, RuntimeError, ValueError) as exc:  # a link loop, a name too long, NUL bytes
-        raise ModelLoadError(f"cannot read {what} {p}: {_reason(exc)}") from None
+        raise ModelLoadError(f"cannot read {what} {p}: {os_reason(exc)}") from None
     if not real.is_relative_to(base):
-        via = f" (a symbolic link to {_readlink(p)})" if _is_link(p) else " through a symbolic link"
+        via = f" (a symbolic link to {readlink_text(p)})" if _is_link(p) else " through a symbolic link"
         raise UnsafePathError(
             f"{what} {p}{via} resolves to {real}, outside the model's folder {base}; refused for safety "
             "(copy the file into the folder instead of linking to it)"
@@ -130,7 +131,7 @@ def inside(root: str | os.PathLike[str], path: str | os.PathLike[str], what: str
         try:
             mode = os.stat(real).st_mode
         except OSError as exc:
-            raise ModelLoadError(f"cannot read {what} {p}: {_reason(exc)}") from None
+            raise ModelLoadError(f"cannot read {what} {p}: {os_reason(exc)}") from None
         if kind == "file" and not stat.S_ISREG(mode):
             raise ModelLoadError(f"{what} {p} is not a regular file")
         if kind == "dir" and not stat.S_ISDIR(mode):
@@ -184,7 +185,7 @@ def open_inside(root: str | os.PathLike[str], path: str | os.PathLike[str], what
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # the checked file became a link
             raise UnsafePathError(f"{what} {path} changed while it was being opened; refused for safety") from None
-        raise ModelLoadError(f"cannot read {what} {path}: {_reason(exc)}") from None
+        raise ModelLoadError(f"cannot read {what} {path}: {os_reason(exc)}") from None
     try:
         after = os.fstat(fd)
         if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(after.st_mode):
@@ -262,7 +263,7 @@ def walk(root: str | os.PathLike[str], what: str = "file") -> list[tuple[Path, P
     out: list[tuple[Path, Path]] = []
 
     def fail(exc: OSError) -> None:
-        raise ModelLoadError(f"cannot list {exc.filename or root}: {_reason(exc)}") from None
+        raise ModelLoadError(f"cannot list {exc.filename or root}: {os_reason(exc)}") from None
 
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False, onerror=fail):
         folder = Path(dirpath)
@@ -286,7 +287,7 @@ def listdir(root: str | os.PathLike[str], what: str = "file") -> list[tuple[Path
     try:
         names = sorted(os.listdir(root))
     except OSError as exc:
-        raise ModelLoadError(f"cannot list {root}: {_reason(exc)}") from None
+        raise ModelLoadError(f"cannot list {root}: {os_reason(exc)}") from None
     out = []
     for name in names:
         p = Path(root) / name
@@ -304,7 +305,7 @@ def _listed(root: str | os.PathLike[str], p: Path, what: str, base: Path) -> tup
     try:
         mode = os.lstat(p).st_mode
     except OSError as exc:
-        raise ModelLoadError(f"cannot read {what} {p}: {_reason(exc)}") from None
+        raise ModelLoadError(f"cannot read {what} {p}: {os_reason(exc)}") from None
     if stat.S_ISLNK(mode):
         real = inside(root, p, what, kind="any", base=base)
         mode = os.stat(real).st_mode
@@ -331,20 +332,6 @@ def lexists(p: Path) -> bool:
     except (OSError, ValueError):
         return False
     return True
-
-
-def _readlink(p: Path) -> str:
-    try:
-        return os.readlink(p)
-    except OSError:
-        return "?"
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def kind_of(value: object) -> str:

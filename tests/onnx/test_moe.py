@@ -548,3 +548,22 @@ def test_inspect_and_passes_list_show_experts(tmp_path: Path) -> None:
     assert "MoE, 4 experts (top 2, swiglu, hidden 64): float32, not quantized" in cli("inspect", str(src))
     rows = {line.split()[0]: line for line in cli("passes", "list").splitlines()[1:] if line.strip()}
     assert "QMoE" in rows["rtn"] and "QMoE, per expert" in rows["gptq"] and "loops -> MoE" in rows["fuse_experts"]
+
+
+def test_a_graph_with_qmoe_keeps_its_experts_and_routers_when_dense_weights_are_quantized(tmp_path: Path) -> None:
+    """A package whose experts are already QMoE (the GenAI export) quantized again: only the dense MatMuls change."""
+    src, q1, q2 = tmp_path / "dec.onnx", tmp_path / "q1.onnx", tmp_path / "q2.onnx"
+    _decoder_with_moe(src)
+    bitpress.run(
+        {"input": str(src), "output": str(q1), "passes": [{"type": "rtn", "nodes_to_exclude": ["lm_head", "embed"]}]}
+    )
+    first = {t.name: numpy_helper.to_array(t) for t in onnx.load(q1).graph.initializer}
+    bitpress.run({"input": str(q1), "output": str(q2), "passes": [{"type": "rtn"}]})
+    m = onnx.load(q2)
+    ops = [n.op_type for n in m.graph.node]
+    assert ops.count("QMoE") == 1 and "MatMulNBits" in ops and "GatherBlockQuantized" in ops
+    after = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    assert np.array_equal(after["router"], first["router"])  # the router stays float
+    node = _qmoe(m)
+    for i in (2, 3, 5, 6):  # the experts' integers and scales as they were
+        assert np.array_equal(after[node.input[i]], first[node.input[i]])

@@ -298,9 +298,12 @@ _ROUTER_PATH = ("Add", "Cast", "Reshape", "Identity", "Squeeze", "Unsqueeze", "F
 
 def router_weights(graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto],
                    prods: dict[str, onnx.NodeProto], op_types: list[str]) -> set[str]:
-    """The weights of the MatMuls / Gemms that give the MoE nodes their router logits."""
+    """The weights of the MatMuls / Gemms that give the MoE / QMoE nodes their router logits (a QMoE's too: a
+    package whose experts are already QMoE keeps its routers float when its dense weights are quantized)."""
     out: set[str] = set()
-    for node in moe.candidates(graph, op_types):
+    if not set(moe.MOE_OPS) & set(op_types):
+        return out
+    for node in (n for n in graph.node if n.domain == "com.microsoft" and n.op_type in ("MoE", "QMoE")):
         name = node.input[1] if len(node.input) > 1 else ""
         for _ in range(8):
             src = prods.get(name)
