@@ -160,7 +160,7 @@ def describe(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
                           f"{list(g.shape(role))} beside fc1's {[e, n1, h]}")
     if swiglu and fusion and n1 % 2:
         return None, f"fused SwiGLU fc1 with an odd row count {n1}"
-    if fusion != 1:
+    if swiglu and fusion != 1:
         # rows are reordered: fc1 / fc3 biases must be constants to be reordered with them
         for role in ("fc1", "fc3"):
             b = input_of(node, BIAS_INPUTS[role])
