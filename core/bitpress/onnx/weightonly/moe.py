@@ -8,7 +8,7 @@ A ``MoE`` node holds its experts as 3-D initializers: ``fc1`` ``[E, fusion * int
 channel, the reduction axis last, the orientation of a table. Each is solved by the pass's block
 solver as ``E * rows`` independent rows (blocks never cross an expert), in bounded chunks, and
 written as ``QMoE`` in the layout ONNX Runtime 1.32's CPU kernel reads (checked against its
-contrib-op schema and by tests/onnx/test_moe.py):
+contrib-op schema and by tests/onnx/test_qmoe.py):
 
 * weights uint8 ``[E, N, K * bits / 8]``: each row's blocks packed as ``MatMulNBits`` packs them
   (lowest index in the lowest bits), concatenated;
