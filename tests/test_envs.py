@@ -154,8 +154,8 @@ def test_proxies_from_a_manifest(run_cli, monkeypatch: pytest.MonkeyPatch, tmp_p
     assert rows["fakeq"]["where"] == "env:fake" and rows["fakeq"]["available"] is True
     assert rows["rtn"]["where"] == "here"
     code, out, _ = run_cli("passes", "list", registry=reg)
-    assert out.splitlines()[0].split() == ["PASS", "PLUGIN", "ALGORITHMS", "PRECISIONS", "MODELS", "DATA", "WHERE",
-                                           "AVAILABLE"]
+    assert out.splitlines()[0].split() == ["PASS", "PLUGIN", "ALGORITHMS", "PRECISIONS", "MODELS", "DATA",
+                                           "EXPERTS", "WHERE", "AVAILABLE"]
     assert next(x for x in out.splitlines() if x.startswith("fakeq ")).split()[-2:] == ["env:fake", "yes"]
     code, out, _ = run_cli("passes", "show", "fakeq", registry=reg)
     assert "runs in: env:fake" in out and "bits per weight" in out
