@@ -194,10 +194,11 @@ def resolve_data(data: Any, source: hub.HubModel | None = None, base: Path | Non
 
 
 def resolve_config(config: dict[str, Any] | str | Path) -> tuple[dict[str, Any], hub.HubModel | None]:
-    """A workflow config (mapping or file, read with :func:`load_config`) whose ``input:`` is a Hub id made the
-    snapshot folder it resolves to (its ``subfolder:`` taken in), ``data: tokenizer`` too; and the input's
-    :class:`~bitpress.hub.HubModel` (None for a local input). A file's relative paths are its folder's, and an
-    existing one there always wins over a Hub id of the same name."""
+    """A workflow config (mapping or file, read with :func:`load_config`) whose ``input:`` (or, Olive-style,
+    ``input_model: {model_path}``) is a Hub id made the snapshot folder it resolves to (its ``subfolder:``
+    taken in), ``data: tokenizer`` too; and the input's :class:`~bitpress.hub.HubModel` (None for a local
+    input). A file's relative paths are its folder's, and an existing one there always wins over a Hub id of
+    the same name."""
     base = None
     if isinstance(config, dict):
         config = dict(config)
@@ -207,10 +208,18 @@ def resolve_config(config: dict[str, Any] | str | Path) -> tuple[dict[str, Any],
         base = path.parent
     source = None
     written = _as_written(config.get("input"), base)
+    model = config.get("input_model")  # Olive-style: input_model.model_path, read when there is no input:
+    olive = config.get("input") is None and isinstance(model, dict) and isinstance(model.get("model_path"), str)
+    if olive:
+        written = _as_written(model["model_path"], base)
     if isinstance(written, str) and hub.hub_id(written, base) is not None:
         subfolder = config.pop("subfolder", None)
-        resolved, source = hub.resolve(written, subfolder=subfolder, what="input", base=base)
-        config["input"] = str(resolved)
+        what = "input_model.model_path" if olive else "input"
+        resolved, source = hub.resolve(written, subfolder=subfolder, what=what, base=base)
+        if olive:
+            config["input_model"] = {**model, "model_path": str(resolved)}
+        else:
+            config["input"] = str(resolved)
     if isinstance(config.get("data"), dict | str):
         config["data"] = resolve_data(config["data"], source, base)
     return config, source

@@ -357,9 +357,13 @@ def _error(exc: BaseException, hub: HubId, what: str, tried: Path | None, offlin
                         f"download them with {_download_hint(hub)}, or run once without HF_HUB_OFFLINE")
     if isinstance(exc, LocalEntryNotFoundError):
         rev = f" at revision {hub.revision}" if hub.revision else ""
-        why = "the Hub is offline (HF_HUB_OFFLINE)" if offline == "offline" else offline or "the Hub is offline"
+        if offline == "offline":
+            why, fix = "the Hub is offline (HF_HUB_OFFLINE)", "or unset HF_HUB_OFFLINE to download it now"
+        else:  # the client could not reach the Hub (while listing, or while downloading a file)
+            why = offline or f"the download failed ({one_line(exc, 200)})"
+            fix = f"or check the network (the Hub is reached at {constants.ENDPOINT}; HF_ENDPOINT) and run again"
         return HubError(f"{head} it is not in the Hugging Face cache{rev} ({constants.HF_HUB_CACHE}) and {why}: "
-                        f"download it first with {_download_hint(hub)}, or unset HF_HUB_OFFLINE to download it now")
+                        f"download it first with {_download_hint(hub)}, {fix}")
     if isinstance(exc, RevisionNotFoundError):
         return HubError(f"{head} the repo has no revision {hub.revision!r} (a branch, tag or commit hash)")
     if isinstance(exc, GatedRepoError):

@@ -11,6 +11,7 @@ import onnx
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.models.onnx_package import OnnxPackage
 from bitpress.onnx.lazy_load import INLINE_PREFIX
+from bitpress.onnx.save import check_model_file
 from bitpress.onnx.tensors import (
     external_ref,
     is_external,
@@ -76,7 +77,7 @@ def inspect_onnx(model: OnnxModel, *, check: bool = True) -> dict[str, Any]:
     checker = "skipped"
     if check:
         try:
-            onnx.checker.check_model(str(model.source))
+            check_model_file(model.source)  # a model in a Hugging Face cache snapshot too (its files are links)
             checker = "ok"
         except Exception as exc:
             checker = "fails: " + (str(exc).strip().splitlines() or [type(exc).__name__])[0]

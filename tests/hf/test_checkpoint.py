@@ -207,3 +207,17 @@ def test_the_host_imports_torch_only_on_the_hf_path(llama_tied_folder: Path) -> 
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_folder_given_by_a_relative_path_loads(llama_untied_folder: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The safetensors files (and a sharded index's shards) of a folder named relative to the working directory
+    are found once, not at folder/folder/name."""
+    import shutil
+
+    from bitpress.hf.model import HfModel
+
+    shutil.copytree(llama_untied_folder, tmp_path / "out" / "x")
+    monkeypatch.chdir(tmp_path)
+    handle = HfModel.load(Path("out/x"))
+    assert handle.history == []

@@ -546,3 +546,55 @@ def test_gemma3_rope_parameters_refused_by_the_builder_built_by_mobius(tmp_path:
     pkg = _run([{"type": "hf_to_genai", "exporter": "mobius"}], src, tmp_path / "pkg")
     tokens, _ = _steps_og(pkg, [5, 17, 42], 3)
     assert len(tokens) == 3 and all(0 <= t < 256 for t in tokens)
+
+
+def test_publish_push_uploads_built_packages_and_they_download_whole(tiny: dict[str, Path], tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`publish --push` to a local Hub (tests/hubserver.py): the packages the builder made arrive byte for byte,
+    `verify org/name` checks them there, a download of one by its Hub id verifies and generates, and running the
+    command again keeps every cell and sends nothing."""
+    import yaml
+    from hubserver import FakeHub, point_huggingface_hub_at
+
+    from bitpress.cli import main
+    from bitpress.genai.manifest import verify
+
+    hub = FakeHub().start()
+    try:
+        point_huggingface_hub_at(hub, monkeypatch, tmp_path / "hf-home")
+        monkeypatch.chdir(tmp_path)
+        cfg = {"input": str(tiny["tied"]), "output": "published",
+               "matrix": {"dtypes": ["f32"], "eps": ["cpu"], "folders": {"cpu": "default"},
+                          "variants": {"int4-rtn": [{"type": "rtn_hf", "bits": 4, "group_size": 32}]}}}
+        (tmp_path / "publish.yaml").write_text(yaml.safe_dump(cfg))
+        assert main(["publish", "publish.yaml", "--push", "acme/tiny-genai"]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert "pushed to acme/tiny-genai at commit" in out
+        local = {p.relative_to(tmp_path / "published").as_posix(): p.read_bytes()
+                 for p in (tmp_path / "published").rglob("*") if p.is_file()}
+        remote = hub.files("acme/tiny-genai")
+        assert {k: v for k, v in remote.items() if k != ".gitattributes"} == local
+        assert main(["verify", "acme/tiny-genai"]) == 0
+        assert "2 package(s) match" in capsys.readouterr().out
+        # a user downloads one package by its Hub id: whole, and it runs
+        assert main(["verify", "acme/tiny-genai/int4-rtn/default"]) == 0
+        capsys.readouterr()
+        from bitpress.hub import resolve
+
+        folder, found = resolve("acme/tiny-genai", subfolder="int4-rtn/default")
+        assert found is not None and verify(folder).ok
+        import onnxruntime_genai as og
+
+        model = og.Model(str(folder))
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=8)
+        gen = og.Generator(model, params)
+        gen.append_tokens([[1, 5, 9]])
+        while not gen.is_done():
+            gen.generate_next_token()
+        commits = hub.commit_count("acme/tiny-genai")
+        assert main(["publish", "publish.yaml", "--push", "acme/tiny-genai"]) == 0
+        assert capsys.readouterr().out.count("kept") == 2 and hub.commit_count("acme/tiny-genai") == commits
+    finally:
+        hub.stop()

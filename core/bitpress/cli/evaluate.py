@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from bitpress.cli.common import EXIT_OK, SUBFOLDER_HELP, Deprecated, hub_path, int_list, progress
+from bitpress.cli.common import EXIT_OK, SUBFOLDER_HELP, Deprecated, int_list, progress
 
 
 def add_eval(sub: argparse._SubParsersAction) -> None:
@@ -61,18 +61,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from bitpress.api import evaluate
     from bitpress.evaluate.report import text_lines
 
-    quantized = hub_path(args.quantized, "the quantized model", args.subfolder)
-    reference = hub_path(args.reference, "--reference", args.subfolder)
-    tokenizer = None if args.tokenizer is None else str(hub_path(args.tokenizer, "--tokenizer", kind="tokenizer"))
+    # Hub ids (the models, --tokenizer) are resolved by evaluate(), which records their commits
     result = evaluate(
-        quantized, reference, data=args.data, samples=args.samples, seq_len=args.seq_len,
-        batch=args.batch, seed=args.seed, text=args.text, tokenizer=tokenizer, max_windows=args.max_windows,
+        args.quantized, args.reference, data=args.data, samples=args.samples, seq_len=args.seq_len,
+        batch=args.batch, seed=args.seed, text=args.text, tokenizer=args.tokenizer, max_windows=args.max_windows,
         jobs=args.jobs, weights=not args.no_weights, progress=progress, speed=not args.no_speed,
-        speed_runs=args.speed_runs,
+        speed_runs=args.speed_runs, subfolder=args.subfolder,
     )
     if args.html:
         result.write_html(args.html)
     if args.json:
+        for key, src in result.sources.items():  # stdout is JSON: which commits were compared, on stderr too
+            sub = f" (subfolder {src['subfolder']})" if src.get("subfolder") else ""
+            print(f"note: {key}: {src['hub']} at commit {src['commit']}{sub}", file=sys.stderr)
         print(json.dumps(result.to_json(), indent=2))
     else:
         for line in text_lines(result):

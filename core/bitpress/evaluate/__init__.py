@@ -8,7 +8,8 @@ weight against its float original (table, JSON, self-contained HTML report).
 ``bitpress.evaluate(quantized, reference, ...)`` is :func:`bitpress.evaluate.runner.evaluate`: this package
 is callable so that the package name and the function name can be the same.
 
-May import: calibration, errors, genai, models, onnx, speed, workflow.
+May import: calibration, errors, genai, hub (Hub ids as the models and tokenizer), models, onnx, speed,
+workflow.
 """
 
 from __future__ import annotations

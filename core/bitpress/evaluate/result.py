@@ -106,6 +106,9 @@ class EvalResult:
     #: QUANTIZED's speed against the reference's, measured alternately (:func:`bitpress.speed.compare`);
     #: ``None`` with ``speed=False`` (``--no-speed``)
     speed: dict[str, Any] | None = None
+    #: the Hugging Face Hub ids given (``quantized``, ``reference``, ``tokenizer``) and the commits they resolved
+    #: to (:meth:`bitpress.hub.HubModel.record`); empty for local paths
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def logits(self) -> OutputMetrics | None:
         return next((o for o in self.outputs if o.is_logits), None)
@@ -147,6 +150,7 @@ class EvalResult:
             "quantization": self.quantization,
             "runtime": self.runtime,
             "speed": self.speed,
+            "sources": dict(self.sources),
         }
         return _finite(out)
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from bitpress import hub
 from bitpress.calibration.data import DataConfig
 from bitpress.errors import BitpressError, ModelLoadError, UsageError
 from bitpress.evaluate.feeds import (
@@ -58,8 +59,14 @@ def evaluate(
     threads: int | None = None,
     speed: bool = True,
     speed_runs: int = 3,
+    subfolder: str | None = None,
 ) -> EvalResult:
     """Compare ``quantized`` with its float ``reference`` (.onnx files or GenAI folders) in ONNX Runtime.
+
+    ``quantized``, ``reference`` and ``tokenizer`` may be Hugging Face Hub ids ``org/name[@revision]``
+    (strings that are not local paths; see :mod:`bitpress.hub`), resolved from the Hub cache (offline) or
+    downloaded into it; ``subfolder`` (``--subfolder``) is the model's folder inside each Hub id given.
+    The commits compared are in ``EvalResult.sources`` and its notes.
 
     ``data``: the inputs of the output comparison (``None``: random; a .npz file/folder; a .txt
     with a tokenizer; a :class:`bitpress.calibration.data.DataConfig` or mapping), ``samples`` runs of
@@ -80,6 +87,7 @@ def evaluate(
                              ("threads", threads, 1), ("max_windows", max_windows, 1), ("speed_runs", speed_runs, 1)):
         if value is not None and (not isinstance(value, int) or value < low):
             raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
+    quantized, reference, tokenizer, sources = resolve_inputs(quantized, reference, tokenizer, subfolder)
     # absolute (not resolved): names inside a folder are joined to it once, whatever the cwd
     qf = resolve_model(Path(quantized).absolute(), "QUANTIZED")
     rf = resolve_model(Path(reference).absolute(), "reference")
@@ -98,6 +106,8 @@ def evaluate(
         q_sess = _session(qf.path, threads, "QUANTIZED")
         r_sess = _session(rf.path, threads, "reference")
         result = EvalResult(qf.path, rf.path, "", 0, batch, seq_len, threads)
+        result.sources = {key: model.record() for key, model in sources.items()}
+        result.notes += [f"{key}: {hub.describe(model)}" for key, model in sources.items()]
         result.quantized_bytes, result.reference_bytes = model_bytes(qm), model_bytes(rm)
         result.bits_per_weight = bits_per_weight(qm)
         result.quantization = recorded_passes(qm)
@@ -171,6 +181,31 @@ def evaluate(
     finally:
         qm.close()
         rm.close()
+
+
+def resolve_inputs(
+    quantized: str | Path, reference: str | Path, tokenizer: str | Path | None = None, subfolder: str | None = None,
+) -> tuple[str | Path, str | Path, str | Path | None, dict[str, hub.HubModel]]:
+    """The models and tokenizer :func:`evaluate` reads, Hub ids made the local folders they resolve to
+    (a local path always wins; ``subfolder`` applies to the models' Hub ids), and the Hub ones by role
+    (``quantized``, ``reference``, ``tokenizer``). Without a tokenizer, a Hub model whose subfolder has none
+    reads the one at its repo's root."""
+    sources: dict[str, hub.HubModel] = {}
+    out: list[str | Path | None] = []
+    for key, value, kind in (("quantized", quantized, None), ("reference", reference, None),
+                             ("tokenizer", tokenizer, "tokenizer")):
+        if value is None or hub.hub_id(value) is None:
+            out.append(value)
+            continue
+        path, found = hub.resolve(value, subfolder=subfolder if kind is None else None, what=key, kind=kind)
+        assert found is not None
+        sources[key] = found
+        out.append(found.tokenizer_dir or path if kind == "tokenizer" else path)
+    q, r, tok = out
+    if tok is None:
+        tok = next((m.tokenizer_dir for m in sources.values() if m.tokenizer_dir not in (None, m.path)), None)
+    assert q is not None and r is not None
+    return q, r, tok, sources
 
 
 def _speed(quantized: str | Path, reference: str | Path, threads: int, runs: int, seq_len: int,

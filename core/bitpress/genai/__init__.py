@@ -16,7 +16,10 @@ What it owns, one module each:
 * :mod:`~bitpress.genai.manifest`: ``bitpress-manifest.json`` written beside a package and
   verified against a copy;
 * :mod:`~bitpress.genai.publish`: ``bitpress publish``, one model to a tree of packages (dtype x
-  EP x variant).
+  EP x variant);
+* :mod:`~bitpress.genai.push`: ``publish --push``, the built packages uploaded to a Hub repo and
+  checked there; :mod:`~bitpress.genai.remote`: ``bitpress verify org/name``, a repo's packages
+  checked against their manifests without downloading them (both through :mod:`bitpress.hub_remote`).
 
 What it may import: the host machinery below it (:mod:`bitpress.paths`, :mod:`bitpress.errors`,
 :mod:`bitpress.onnx` helpers, :mod:`bitpress.models`, :mod:`bitpress.hf` for staging a checkpoint),
@@ -35,8 +38,8 @@ Calibration data built from text and the KV-cache feeds here is :mod:`bitpress.c
 
 Importing this package imports nothing else (no onnx, no torch); the submodules do what they need.
 
-May import: errors, evaluate, hf, models, onnx, output, paths, workflow (the last two and evaluate:
-publish only).
+May import: errors, evaluate, hf, hub, hub_remote, models, onnx, output, paths, workflow (the last two, and
+evaluate: publish only; hub: publish and push; hub_remote: push and remote).
 """
 
 from __future__ import annotations

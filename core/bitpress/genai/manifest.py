@@ -13,6 +13,7 @@ import datetime as dt
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -88,7 +89,7 @@ def add_evaluation(folder: Path, evaluation: dict[str, Any]) -> Path:
 
 @dataclass
 class VerifyResult:
-    folder: Path
+    folder: Path | str  # a local folder, or org/name@commit/path on the Hub
     checked: int = 0
     bytes: int = 0
     missing: list[str] = field(default_factory=list)
@@ -117,6 +118,45 @@ class VerifyResult:
                 "changed": self.changed, "unlisted": self.unlisted}
 
 
+def entries(data: Any, where: str) -> list[tuple[str, int, str]]:
+    """A manifest's files as (name, size, sha256), each name checked to be relative and to stay inside its
+    folder; raises :class:`ModelLoadError` when ``data`` is not a manifest."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("files"), list):
+        raise ModelLoadError(f"{where} is not a {FORMAT} manifest")
+    out = []
+    for i, e in enumerate(data["files"]):
+        at = f"{where} files[{i}]"
+        if not isinstance(e, dict) or not isinstance(e.get("size"), int) or not isinstance(e.get("sha256"), str):
+            raise ModelLoadError(f"{at} must hold path, size and sha256")
+        out.append((paths.check_name(e.get("path"), f"{at}.path").as_posix(), e["size"], e["sha256"]))
+    return out
+
+
+def compare(label: Path | str, listed: list[tuple[str, int, str]], size: Callable[[str], int | None],
+            digest: Callable[[str], str], present: list[str]) -> VerifyResult:
+    """What differs between a manifest's files and a copy: ``size(name)`` (None: absent) and ``digest(name)``
+    (sha256, asked only when the size matches) of the copy's files, ``present``: every file the copy has.
+    Local folders and repos on the Hub are checked by this one rule."""
+    res = VerifyResult(label)
+    names = set()
+    for name, want, sha in listed:
+        names.add(name)
+        got = size(name)
+        if got is None:
+            res.missing.append(name)
+        elif got < want:
+            res.truncated.append(name)
+        elif got > want:
+            res.resized.append(name)
+        else:
+            res.checked += 1
+            res.bytes += got
+            if digest(name) != sha:
+                res.changed.append(name)
+    res.unlisted = sorted(p for p in present if p not in names | {MANIFEST})
+    return res
+
+
 def verify(folder: Path) -> VerifyResult:
     """Check ``folder`` against its manifest; raises :class:`ModelLoadError` when there is none or it is
     malformed, and returns what differs (see :attr:`VerifyResult.ok`)."""
@@ -128,36 +168,18 @@ def verify(folder: Path) -> VerifyResult:
         data = json.loads(paths.read_text(folder, MANIFEST, "manifest"))
     except (json.JSONDecodeError, RecursionError) as exc:
         raise ModelLoadError(f"{folder / MANIFEST} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("files"), list):
-        raise ModelLoadError(f"{folder / MANIFEST} is not a {FORMAT} manifest")
-    res = VerifyResult(folder)
-    listed = set()
-    for i, e in enumerate(data["files"]):
-        where = f"{MANIFEST} files[{i}]"
-        if not isinstance(e, dict) or not isinstance(e.get("size"), int) or not isinstance(e.get("sha256"), str):
-            raise ModelLoadError(f"{where} must hold path, size and sha256")
-        name = paths.check_name(e.get("path"), f"{where}.path").as_posix()
-        listed.add(name)
+    listed = entries(data, str(folder / MANIFEST))
+
+    def size(name: str) -> int | None:
         if not paths.lexists(folder / name):
-            res.missing.append(name)
-            continue
-        real = paths.inside(folder, name, "file of the package", base=base)  # links must stay inside
-        size = real.stat().st_size
-        if size < e["size"]:
-            res.truncated.append(name)
-            continue
-        if size > e["size"]:
-            res.resized.append(name)
-            continue
-        _, digest = sha256_of(real)
-        res.checked += 1
-        res.bytes += size
-        if digest != e["sha256"]:
-            res.changed.append(name)
-    present = paths.walk(folder, "file of the package")
-    res.unlisted = sorted(p.relative_to(folder).as_posix() for p, _ in present
-                          if p.relative_to(folder).as_posix() not in listed | {MANIFEST})
-    return res
+            return None
+        return paths.inside(folder, name, "file of the package", base=base).stat().st_size  # links stay inside
+
+    def digest(name: str) -> str:
+        return sha256_of(paths.inside(folder, name, "file of the package", base=base))[1]
+
+    present = [p.relative_to(folder).as_posix() for p, _ in paths.walk(folder, "file of the package")]
+    return compare(folder, listed, size, digest, present)
 
 
 def check(folder: Path) -> VerifyResult:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bitpress import hub
 from bitpress.errors import BitpressError, ConfigError, OutputError
 
 log = logging.getLogger(__name__)
@@ -69,19 +70,24 @@ class Cell:
     reason: str = ""
     seconds: float = 0.0
     eval: dict[str, Any] | None = None
+    kept: bool = False  # built by an earlier run and kept (``keep``), not built again
 
 
 @dataclass
 class PublishResult:
     output: Path
     cells: list[Cell] = field(default_factory=list)
+    #: a Hub id input's repo, revision and commit (:meth:`bitpress.hub.HubModel.record`); None for a local one
+    source: dict[str, Any] | None = None
 
     @property
     def failed(self) -> list[Cell]:
         return [c for c in self.cells if c.status != "ok"]
 
     def to_json(self) -> dict[str, Any]:
-        return {"output": str(self.output), "cells": [c.__dict__ for c in self.cells]}
+        # ``kept`` is this run's business: an index rewritten over kept cells stays byte for byte what it was
+        return {"output": str(self.output), "source": self.source,
+                "cells": [{k: v for k, v in c.__dict__.items() if k != "kept"} for c in self.cells]}
 
 
 def _list(value: Any, where: str) -> list[Any]:
@@ -142,68 +148,142 @@ def plan_cells(config: dict[str, Any]) -> tuple[list[Cell], dict[str, dict[str, 
     return cells, variants
 
 
-def publish(config: dict[str, Any], *, overwrite: bool = False, progress: Any = None) -> PublishResult:
-    """Build every cell of ``config`` (see the module's docstring)."""
+def _hub_tokenizer(data: Any, source: hub.HubModel | None, where: str) -> Any:
+    """A variant's calibration data with a Hub id ``tokenizer`` made the local folder of its tokenizer; without a
+    tokenizer, a Hub input whose subfolder has none reads the one at its repo's root (as ``bitpress run`` does)."""
+    tokenizer = data.get("tokenizer") if isinstance(data, dict) else None
+    if isinstance(tokenizer, str) and hub.hub_id(tokenizer) is not None:
+        path, found = hub.resolve(tokenizer, what=f"{where}.tokenizer", kind="tokenizer")
+        return {**data, "tokenizer": str(found.tokenizer_dir or path if found is not None else path)}
+    if tokenizer is None and source is not None and source.tokenizer_dir not in (None, source.path):
+        given = {"source": data} if isinstance(data, str) else data
+        if isinstance(given, dict):
+            return {**given, "tokenizer": str(source.tokenizer_dir)}
+    return data
+
+
+def publish(config: dict[str, Any], *, overwrite: bool = False, progress: Any = None,
+            keep: bool = False) -> PublishResult:
+    """Build every cell of ``config`` (see the module's docstring).
+
+    ``input`` may be a Hugging Face Hub id ``org/name[@revision]`` (a string that is not a local path; its
+    ``subfolder`` the checkpoint's folder inside the repo), resolved from the Hub cache (offline) or downloaded
+    into it before anything is built; every package's manifest (``made.input``) and the index (``source``) say
+    which commit it came from. A variant's ``data: {tokenizer: org/name}`` may be one too.
+    """
     from bitpress.workflow.runner import run
 
     for key in ("input", "output"):
         if not isinstance(config.get(key), str | Path):
-            raise ConfigError(f"a publish config needs {key}: a path")
-    unknown = set(config) - {"input", "output", "matrix", "jobs"}
+            raise ConfigError(f"a publish config needs {key}: a path (or, input, a Hugging Face Hub id)")
+    known = ("input", "subfolder", "output", "matrix", "jobs")
+    unknown = set(config) - set(known)
     if unknown:
-        raise ConfigError(f"unknown publish key(s) {', '.join(sorted(unknown))}; known: input, output, matrix, jobs")
+        raise ConfigError(f"unknown publish key(s) {', '.join(sorted(unknown))}; known: {', '.join(known)}")
+    if config.get("subfolder") is not None and not isinstance(config["subfolder"], str):
+        raise ConfigError(f"subfolder: expected a folder name inside the input, got {config['subfolder']!r}")
     cells, variants = plan_cells(config)
     genai = config["matrix"].get("genai") or {}
     _check_genai(genai, "matrix.genai")
     if config["matrix"].get("eval") is not None:
         check_eval(config["matrix"]["eval"])  # before anything is built
-    src, out = Path(config["input"]), Path(config["output"])
+    # a Hub id: its snapshot folder (the safetensors checkpoint and tokenizer files only), before anything is built
+    src, found = hub.resolve(config["input"], subfolder=config.get("subfolder"), what="input", kind="safetensors")
+    origin = None if found is None else found.record()
+    if found is not None:
+        if not any(f.endswith(".safetensors") for f in found.allow_patterns):
+            where = f"the top of {found.subfolder}" if found.subfolder else "its root"
+            raise hub.HubError(f"input {config['input']}: the repo holds no safetensors checkpoint at {where} "
+                               f"(commit {found.commit}); publish builds from a Hugging Face checkpoint (subfolder: "
+                               "names its folder inside the repo)")
+        log.info("publish: %s", hub.describe(found))
+    for name, spec in variants.items():
+        if spec["data"] is not None:
+            spec["data"] = _hub_tokenizer(spec["data"], found, f"matrix.variants.{name}.data")
+    # what the runs name their folder output: the input's name, or the Hub repo's (not the cache's commit folder)
+    made = src.name if origin is None else str(origin["hub"]).rsplit("/", 1)[-1]
+    out = Path(config["output"])
     _make_output_folder(out)
-    result = PublishResult(out)
+    result = PublishResult(out, source=origin)
+    before = _build_times(out / INDEX) if keep else {}
     with tempfile.TemporaryDirectory(prefix=".bitpress-publish-", dir=out) as tmp:
         checkpoints: dict[str, Path | BitpressError] = {}
+
+        def _build(cell: Cell) -> None:
+            dest = out / cell.folder
+            source = src
+            if cell.variant is not None:
+                got = checkpoints.get(cell.variant)
+                if got is None:  # the variant's passes, once
+                    spec = variants[cell.variant]
+                    wf: dict[str, Any] = {"input": str(src), "output": str(Path(tmp) / "ckpt" / cell.variant),
+                                          "passes": spec["passes"]}
+                    if spec["data"] is not None:
+                        wf["data"] = spec["data"]
+                    try:
+                        run(wf, progress=progress, origin=origin)
+                        got = Path(tmp) / "ckpt" / cell.variant / made
+                    except BitpressError as exc:
+                        got = exc
+                    checkpoints[cell.variant] = got
+                if isinstance(got, BitpressError):
+                    raise got
+                source = got
+            own = variants[cell.variant]["genai"] if cell.variant is not None else {}
+            step = {"type": "hf_to_genai", **genai, **own, "ep": cell.ep, "dtype": cell.dtype or "auto"}
+            built = Path(tmp) / "cells" / cell.folder
+            run({"input": str(source), "output": str(built), "passes": [step]}, progress=progress, origin=origin)
+            if dest.exists():
+                shutil.rmtree(dest)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(built / made), str(dest))
+
         for cell in cells:
             t0 = time.perf_counter()
             dest = out / cell.folder
             try:
                 if dest.exists() and not overwrite:
-                    raise OutputError(f"{dest} exists (use --overwrite to replace it)")
-                source = src
-                if cell.variant is not None:
-                    got = checkpoints.get(cell.variant)
-                    if got is None:  # the variant's passes, once
-                        spec = variants[cell.variant]
-                        wf: dict[str, Any] = {"input": str(src), "output": str(Path(tmp) / "ckpt" / cell.variant),
-                                              "passes": spec["passes"]}
-                        if spec["data"] is not None:
-                            wf["data"] = spec["data"]
-                        try:
-                            run(wf, progress=progress)
-                            got = Path(tmp) / "ckpt" / cell.variant / src.name
-                        except BitpressError as exc:
-                            got = exc
-                        checkpoints[cell.variant] = got
-                    if isinstance(got, BitpressError):
-                        raise got
-                    source = got
-                own = variants[cell.variant]["genai"] if cell.variant is not None else {}
-                step = {"type": "hf_to_genai", **genai, **own, "ep": cell.ep, "dtype": cell.dtype or "auto"}
-                built = Path(tmp) / "cells" / cell.folder
-                run({"input": str(source), "output": str(built), "passes": [step]}, progress=progress)
-                if dest.exists():
-                    shutil.rmtree(dest)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(str(built / source.name), str(dest))
+                    if not keep:
+                        raise OutputError(f"{dest} exists (use --overwrite to replace it)")
+                    _check_kept(dest)  # ``keep``: a package built before is used as it is, if it is whole
+                    cell.kept = True
+                    log.info("cell %s: kept as built before (it matches its manifest)", cell.folder)
+                else:
+                    _build(cell)
                 cell.status = "ok"
             except BitpressError as exc:
                 cell.status, cell.reason = "failed", str(exc)
                 log.warning("cell %s failed: %s", cell.folder, exc)
-            cell.seconds = time.perf_counter() - t0
+            # a kept cell reports the time it took when it was built (the index stays as it was)
+            cell.seconds = before.get(cell.folder, 0.0) if cell.kept else time.perf_counter() - t0
             result.cells.append(cell)
     if config["matrix"].get("eval"):
         evaluate_cells(result, config["matrix"]["eval"], progress=progress)
     (out / INDEX).write_text(json.dumps(result.to_json(), indent=2) + "\n")
     return result
+
+
+def _build_times(index: Path) -> dict[str, float]:
+    """Seconds each cell took, from an earlier run's index (kept cells report them again)."""
+    try:
+        cells = json.loads(index.read_text())["cells"]
+        return {c["folder"]: float(c["seconds"]) for c in cells if c.get("status") == "ok"}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return {}
+
+
+def _check_kept(dest: Path) -> None:
+    """A cell folder an earlier run built, kept only when it matches its manifest (else the cell fails)."""
+    from bitpress.genai.manifest import MANIFEST, verify
+
+    if not (dest / MANIFEST).is_file():
+        raise OutputError(f"{dest} exists but has no {MANIFEST} (not a package bitpress built): remove it or use "
+                          "--overwrite")
+    res = verify(dest)
+    if not res.ok or res.unlisted:
+        extra = [f"{len(res.unlisted)} unlisted: {', '.join(res.unlisted[:3])}"] if res.unlisted else []
+        raise OutputError(f"{dest} exists but does not match its {MANIFEST} ({'; '.join(res.problems() + extra)}): "
+                          "use --overwrite to build it again")
 
 
 def _make_output_folder(out: Path) -> None:
@@ -243,7 +323,7 @@ def check_eval(spec: Any) -> dict[str, Any]:
 def evaluate_cells(result: PublishResult, spec: dict[str, Any], *, progress: Any = None) -> None:
     """Evaluate every runnable ok cell against the reference cell; figures to its manifest and cell."""
     from bitpress.evaluate.runner import evaluate
-    from bitpress.genai.manifest import add_evaluation
+    from bitpress.genai.manifest import MANIFEST, add_evaluation
 
     ev = check_eval(spec)
     ok = [c for c in result.cells if c.status == "ok" and c.ep in _RUNNABLE]
@@ -253,6 +333,14 @@ def evaluate_cells(result: PublishResult, spec: dict[str, Any], *, progress: Any
         log.warning("matrix.eval: no reference package (%s) built on cpu/default: nothing evaluated", ref_name)
         return
     for cell in ok:
+        if cell.kept:  # built and evaluated by an earlier run: its figures stay (a push then sends no new bytes)
+            try:
+                kept = json.loads((result.output / cell.folder / MANIFEST).read_text()).get("eval")
+            except (OSError, json.JSONDecodeError, AttributeError):
+                kept = None
+            if isinstance(kept, dict) and kept.get("reference") == ref.folder:
+                cell.eval = kept
+                continue
         try:
             res = evaluate(result.output / cell.folder, result.output / ref.folder, text=ev["text"],
                            seq_len=ev["seq_len"], max_windows=ev["windows"], weights=False, progress=progress,
@@ -283,11 +371,20 @@ def evaluate_cells(result: PublishResult, spec: dict[str, Any], *, progress: Any
 
 
 def load_publish_config(path: Path) -> dict[str, Any]:
-    """A publish config from a file: input, output and the variants' data files relative to its folder."""
+    """A publish config from a file: input, output and the variants' data files relative to its folder; an
+    ``input`` or a variant's ``tokenizer`` that is a Hugging Face Hub id (no file or folder of that name there)
+    is kept as written, for :func:`publish` to resolve."""
     from bitpress.workflow.config import load_config
 
     data = load_config(Path(path))
     base = Path(path).parent
+    if isinstance(data.get("input"), str):  # load_config joined it to the folder: the Hub id as written
+        try:
+            written = Path(data["input"]).relative_to(base).as_posix()
+        except ValueError:
+            written = data["input"]
+        if hub.hub_id(written, base) is not None:
+            data["input"] = written
     ev = (data.get("matrix") or {}).get("eval") if isinstance(data.get("matrix"), dict) else None
     if isinstance(ev, dict) and isinstance(ev.get("text"), str) and not Path(ev["text"]).is_absolute():
         ev["text"] = str(base / ev["text"])
@@ -300,6 +397,7 @@ def load_publish_config(path: Path) -> dict[str, Any]:
             if isinstance(calib, dict):
                 for key in ("source", "tokenizer"):
                     value = calib.get(key)
-                    if isinstance(value, str) and value and value != "random" and not Path(value).is_absolute():
+                    if isinstance(value, str) and value and value != "random" and not Path(value).is_absolute() \
+                            and not (key == "tokenizer" and hub.hub_id(value, base) is not None):
                         calib[key] = str(base / value)
     return data

@@ -86,8 +86,17 @@ def check_folder(folder: Path) -> list[Path]:
             if shard.name.endswith(".safetensors") and shard not in st:
                 st.append(shard)
     for f in st:
-        check_safetensors(folder, f)
+        check_safetensors(folder, _within(folder, f))
     return sorted(st)
+
+
+def _within(folder: Path, path: Path) -> Path:
+    """``path`` as :func:`bitpress.paths.inside` takes it: a name relative to ``folder`` (a path built as
+    ``folder / name`` from a relative ``folder`` would otherwise be joined to it twice), or absolute."""
+    path = Path(path)
+    if not path.is_absolute() and path.is_relative_to(folder):
+        return path.relative_to(folder)
+    return path
 
 
 def check_index(folder: Path, index: Path) -> list[Path]:
@@ -108,7 +117,7 @@ def check_index(folder: Path, index: Path) -> list[Path]:
             continue
         if not paths.lexists(shard):
             raise ModelLoadError(f"{folder / index.name} names the shard {value!r}, which is not in {folder}")
-        paths.inside(folder, shard, f"shard {value!r} of {index.name}", base=base)
+        paths.inside(folder, _within(folder, shard), f"shard {value!r} of {index.name}", base=base)
         shards.append(shard)
     return shards
 

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 from onnx import numpy_helper
 
+from bitpress import paths
 from bitpress.errors import OutputError, ValidationError, one_line
 from bitpress.memory import release_free_memory
 from bitpress.models.onnx_model import OnnxModel
 from bitpress.onnx.graph import ensure_opsets
+from bitpress.onnx.lazy_load import INLINE_PREFIX
 from bitpress.onnx.tensors import external_ref, is_external, iter_graphs, iter_tensors, tensor_nbytes
 
 log = logging.getLogger(__name__)
@@ -319,10 +323,47 @@ _ORT_DEFAULT_DOMAIN = "bitpress.onnxruntime_default_domain"
 
 def _passes_checker(path: Path) -> bool:
     try:
-        onnx.checker.check_model(str(path))
+        check_model_file(path)
     except Exception:
         return False
     return True
+
+
+def check_model_file(path: Path) -> None:
+    """``onnx.checker.check_model(path)``, for a model in a Hugging Face cache snapshot too; raises its error.
+
+    In a snapshot the model and its data files are links into the cache's blobs, and the checker
+    refuses linked external data ("it is a symbolic link") that ONNX Runtime reads. Loading the model
+    (:meth:`OnnxModel.load`) checks those links bitpress's stricter way (:mod:`bitpress.hfcache`: each
+    leads to a regular blob of the repository or of the cache's marked shared store, and holds the bytes
+    its tensors need); the checker checks everything else on a private stand-in folder: the model's
+    blob, linked, beside an empty regular file for each data file the snapshot has (it reads no weight).
+    """
+    path = Path(path)
+    if paths.hf_snapshot(path.parent) is None:
+        onnx.checker.check_model(str(path))
+        return
+    model = OnnxModel.load(path)
+    try:
+        locations = {external_ref(t).location for t in iter_tensors(model.proto)
+                     if is_external(t) and not external_ref(t).location.startswith(INLINE_PREFIX)}
+    finally:
+        model.close()
+    blob = paths.inside(path.parent, path.name, "model")
+    with tempfile.TemporaryDirectory(prefix="bitpress-check-") as tmp:
+        probe = Path(tmp) / path.name
+        try:
+            if path.name in locations:  # data inside the .onnx named as a data file: the checker wants a file
+                raise OSError
+            os.symlink(blob, probe)
+        except OSError:  # no links here: the bytes
+            shutil.copyfile(blob, probe)
+        for location in sorted(locations - {path.name}):
+            if os.path.lexists(path.parent / location):  # a missing one: the checker says so, as for a folder
+                stand_in = Path(tmp) / location
+                stand_in.parent.mkdir(parents=True, exist_ok=True)
+                stand_in.touch()
+        onnx.checker.check_model(str(probe))
 
 
 def open_session(path: Path):

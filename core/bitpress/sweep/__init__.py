@@ -10,8 +10,8 @@ Hugging Face model. See docs/sweep.md.
 ``bitpress.sweep(config, ...)`` is :func:`bitpress.sweep.runner.sweep`: this package is callable so that
 the package name and the function name can be the same (as ``bitpress.evaluate``).
 
-May import: errors, evaluate, executors, genai, interrupts, models, options, output, plugins,
-workflow.
+May import: errors, evaluate, executors, genai, hub (Hub ids as models), interrupts, models, options,
+output, plugins, workflow.
 """
 
 from __future__ import annotations

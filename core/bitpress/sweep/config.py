@@ -2,7 +2,7 @@
 
 ::
 
-    models: [llama/model.onnx, qwen/model.onnx]     # paths relative to the config's folder
+    models: [llama/model.onnx, qwen/model.onnx]     # paths relative to the config's folder, or Hub ids
     passes:
       - rtn                                          # a pass name: its defaults, one job per model
       - {type: hqq, options: {device: numpy}, grid: {block_size: [32, 64]}}
@@ -13,6 +13,10 @@
     publish:                                         # the GenAI export matrix of each Hugging Face model
       matrix: {dtypes: [f32, f16], eps: [cpu], variants: {int4-rtn: [{type: rtn_hf, bits: 4}]}}
       reference: f32/cpu                             # the cell the cpu packages are compared with
+
+A model may be a Hugging Face Hub id (``org/name[@revision]``, or ``{model: org/name, subfolder: onnx}``)
+when no local file or folder of that name exists: resolved once, before any job, to its snapshot folder in the
+Hub cache (:mod:`bitpress.hub`); the commit is each of its rows' ``source`` and its outputs' metadata.
 
 Each combination (model x pass x grid point) is one :class:`Job`, whose id is a short hash of
 the canonical JSON of its model path, pass, precision and options. With ``publish:``, every cell
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bitpress import hub
 from bitpress.errors import BitpressError, ConfigError, PassNotFoundError
 from bitpress.plugins import Registry, canonical_precision, get_registry
 
@@ -137,6 +142,8 @@ class SweepConfig:
     save: dict[str, Any] | None = None  # save options of each output (as in a workflow config)
     duplicates: int = 0  # combinations given twice (run once)
     publish: dict[str, Any] | None = None  # the publish entry as given (None: no export matrix)
+    #: a Hub id model's path (as in ``models``, a string) -> its repo, revision and commit (HubModel.record())
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def metric(self) -> str:
@@ -166,8 +173,13 @@ def load_sweep_config(path: str | Path) -> dict[str, Any]:
             return str(base / value)
         return value
 
+    def model(value: Any) -> Any:  # a Hub id (no file or folder of that name beside the config) as written
+        if isinstance(value, dict) and "model" in value:
+            return {**value, "model": model(value["model"])}
+        return value if hub.hub_id(value, base) is not None else relative(value)
+
     if isinstance(data.get("models"), list):
-        data["models"] = [relative(m) for m in data["models"]]
+        data["models"] = [model(m) for m in data["models"]]
     matrix = data["publish"].get("matrix") if isinstance(data.get("publish"), dict) else None
     variants = matrix.get("variants") if isinstance(matrix, dict) else None
     if isinstance(variants, dict):  # calibration files of the variants, as load_publish_config does
@@ -176,9 +188,10 @@ def load_sweep_config(path: str | Path) -> dict[str, Any]:
             if isinstance(calib, str):
                 calib = spec["data"] = {"source": calib}
             if isinstance(calib, dict):
-                calib.update({k: relative(calib[k]) for k in ("source", "tokenizer") if k in calib})
-    elif isinstance(data.get("models"), str):
-        data["models"] = relative(data["models"])
+                calib.update({k: relative(calib[k]) for k in ("source", "tokenizer") if k in calib
+                              and not (k == "tokenizer" and hub.hub_id(calib[k], base) is not None)})
+    elif isinstance(data.get("models"), str | dict):
+        data["models"] = model(data["models"])
     ev = data.get("eval")
     if isinstance(ev, dict):
         data["eval"] = {k: relative(v) if k in ("text", "tokenizer", "data") else v for k, v in ev.items()}
@@ -200,7 +213,7 @@ def parse_sweep(config: dict[str, Any], registry: Registry | None = None) -> Swe
         raise ConfigError(f"a sweep config must be a mapping (models, passes, grid, eval, output), got {_kind(config)}")
     _check_size(config, "the sweep config")
     _check_keys(config, TOP_KEYS, "the sweep config")
-    models = _models(config.get("models"))
+    models, sources = _models(config.get("models"))
     has_publish = config.get("publish") is not None
     entries = [] if has_publish and config.get("passes") is None else _passes(config.get("passes"))
     top_grid = _grid(config.get("grid"), "grid")
@@ -280,7 +293,7 @@ def parse_sweep(config: dict[str, Any], registry: Registry | None = None) -> Swe
         _executor_spec(executor)
     return SweepConfig(models=models, jobs=jobs, output=None if output is None else Path(output), eval=ev,
                        executor=executor, parallel=parallel, threads=threads, data=data, save=save,
-                       duplicates=duplicates, publish=config.get("publish"))
+                       duplicates=duplicates, publish=config.get("publish"), sources=sources)
 
 
 def option_names(cls: type) -> set[str] | None:
@@ -320,20 +333,32 @@ def _check_keys(mapping: dict[Any, Any], keys: tuple[str, ...], where: str) -> N
         raise ConfigError(f"{where}: unknown key {_did_you_mean(unknown[0], set(keys))}; valid keys: {', '.join(keys)}")
 
 
-def _models(raw: Any) -> list[Path]:
+def _models(raw: Any) -> tuple[list[Path], dict[str, dict[str, Any]]]:
+    """The models (absolute paths), and the Hub ids' records by the path they resolved to."""
     from bitpress.workflow.config import _kind
 
-    if isinstance(raw, str | os.PathLike):
+    if isinstance(raw, str | os.PathLike | dict):
         raw = [raw]
     if raw is None:
         raise ConfigError("the sweep config needs 'models': a list of model paths (relative to the config's folder)")
     if not isinstance(raw, list) or not raw:
         raise ConfigError(f"models: expected a non-empty list of model paths, got {_kind(raw)}")
     out: list[Path] = []
+    sources: dict[str, dict[str, Any]] = {}
     for i, item in enumerate(raw):
+        subfolder = None
+        if isinstance(item, dict):  # {model: PATH or org/name, subfolder: FOLDER}
+            _check_keys(item, ("model", "subfolder"), f"models[{i}]")
+            subfolder = _path_value(item.get("subfolder"), f"models[{i}].subfolder")
+            item = item.get("model")
         path = _path_value(item, f"models[{i}]")
-        assert path is not None
-        p = Path(path)
+        if path is None:
+            raise ConfigError(f"models[{i}]: expected a model path or Hub id (model: in a mapping), got none")
+        found = None
+        if hub.hub_id(path) is not None:  # resolved once, here: every job reads the cache's snapshot folder
+            p, found = hub.resolve(path, subfolder=subfolder, what=f"models[{i}]")
+        else:
+            p = Path(path) / subfolder if subfolder else Path(path)
         if not p.exists():
             raise ConfigError(f"models[{i}]: {p} does not exist (paths in a config file are relative to its folder); "
                               "fix the path or remove the model")
@@ -341,7 +366,9 @@ def _models(raw: Any) -> list[Path]:
         if resolved in out:
             raise ConfigError(f"models[{i}]: {p} is listed twice; remove one")
         out.append(resolved)
-    return out
+        if found is not None:
+            sources[str(resolved)] = found.record()
+    return out, sources
 
 
 def _path_value(value: Any, where: str) -> str | None:

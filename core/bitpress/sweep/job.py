@@ -45,6 +45,7 @@ def base_row(spec: dict[str, Any]) -> dict[str, Any]:
         "options": spec["options"], "point": spec["point"], "label": spec["label"],
         "status": "pending", "error": None, "output": None, "output_bytes": None, "model_bytes": None,
         "input_bytes": None, "bits_per_weight": None, "metrics": None, "seconds": {},
+        "source": spec.get("source"),  # a Hub id model: its repo, revision and commit (None: a local path)
     }
 
 
@@ -79,7 +80,7 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     model, output, root = Path(spec["model"]), Path(spec["output"]), Path(spec["root"])
     stage = "quantize"
     try:
-        result = run(spec["workflow"])
+        result = run(spec["workflow"], origin=spec.get("source"))  # a Hub id's commit, in the output's metadata
         row["seconds"]["quantize"] = round(time.perf_counter() - start, 3)
         row["output_bytes"] = result.output_bytes
         row["model_bytes"] = result.output_model_bytes

@@ -86,11 +86,18 @@ def pareto_rows(rows: list[dict[str, Any]], xkey: str, metric: str) -> dict[str,
     return {m: pareto_ids(pts) for m, pts in by_model.items()}
 
 
-def model_names(models: list[str]) -> dict[str, str]:
-    """The shortest trailing part of each path that tells the models apart (``llama/model.onnx``)."""
+def model_names(models: list[str], sources: dict[str, dict[str, Any]] | None = None) -> dict[str, str]:
+    """The shortest trailing part of each path that tells the models apart (``llama/model.onnx``); a Hub id
+    model (``sources``: path -> its record) is named by its repo (``org/name@revision/subfolder``)."""
     parts = {m: Path(m).parts for m in models}
     names: dict[str, str] = {}
+    for m, src in (sources or {}).items():
+        if m in parts:
+            names[m] = str(src["hub"]) + (f"@{src['revision']}" if src.get("revision") else "") + \
+                (f"/{src['subfolder']}" if src.get("subfolder") else "")
     for m in models:
+        if m in names:
+            continue
         for n in range(1, len(parts[m]) + 1):
             tail = parts[m][-n:]
             if all(other == m or parts[other][-n:] != tail for other in models):
@@ -266,7 +273,7 @@ def _cell(value: Any, digits: int = 4) -> str:
 def render_html(rows: list[dict[str, Any]], cfg: SweepConfig) -> str:
     """The report's HTML: the chart, each model's Pareto-optimal jobs, and the table of every job."""
     metric = cfg.metric
-    names = model_names([str(m) for m in cfg.models])
+    names = model_names([str(m) for m in cfg.models], cfg.sources)
     xkey = x_metric(rows, metric)
     fronts = pareto_rows(rows, xkey, metric)
     ok = sum(r["status"] == "ok" for r in rows)

@@ -259,7 +259,7 @@ class _State:
         rows = list(self.rows.values())
         metric = self.cfg.metric
         xkey = x_metric(rows, metric)
-        names = model_names([str(m) for m in self.cfg.models])
+        names = model_names([str(m) for m in self.cfg.models], self.cfg.sources)
         front = pareto_rows(rows, xkey, metric)
         pareto = {names[m]: [r for r in rows if r["id"] in ids] for m, ids in front.items()}
         return SweepResult(self.out, rows, ran=self.ran, skipped=self.skipped, metric=metric, x_metric=xkey,
@@ -276,6 +276,7 @@ def _job_spec(job: Any, cfg: SweepConfig, out: Path, threads: int | None) -> dic
         "workflow": job.workflow(run_dir, threads=threads, data=cfg.data, save=cfg.save),
         "eval": cfg.eval.kwargs() if cfg.eval is not None else None,
         "cell": job.cell,
+        "source": cfg.sources.get(job.model),  # a Hub id model's repo and commit
     }
 
 

@@ -176,7 +176,7 @@ def run_workflow(
                 t0 = time.perf_counter()
                 files = _save(registry, model, dest, wf.save)
                 _note_checker(context, model, dest)
-                _note_source(files, wf.origin)
+                _note_source(files, wf.origin, hf_folder=dest if getattr(model, "kind", "") == "hf" else None)
                 seconds["save"] = time.perf_counter() - t0
                 staged = payload if folder_out else dest
             with deferred():  # a signal now waits until the output is wholly in place, or not at all
@@ -257,23 +257,44 @@ def _run_passes(
 MANIFEST_NAME = "bitpress-manifest.json"
 
 
-def _note_source(files: list[Path], source: dict[str, Any] | None) -> None:
-    """Where the input came from (a Hub id and its commit) in the ``made`` record of a written package's manifest.
+#: the ``quant_method`` of bitpress's own Hugging Face checkpoints (bitpress.hf.checkpoint.QUANT_METHOD; that
+#: module imports torch)
+HF_QUANT_METHOD = "bitpress"
 
-    The manifest does not list itself, so its file list and checksums stay true.
+
+def _note_source(files: list[Path], source: dict[str, Any] | None, *, hf_folder: Path | None = None) -> None:
+    """Where the input came from (a Hub id and its commit) in the written files that say how they were made.
+
+    A package's manifest: its ``made`` record (``"input"``); the manifest does not list itself, so its
+    file list and checksums stay true. A Hugging Face checkpoint written to ``hf_folder``: the
+    ``quantization_config`` (``"source"``) of its ``config.json`` when bitpress wrote one (``quant_method``
+    ``bitpress``: transformers ignores that config, bitpress's readers ignore the key); a float checkpoint's
+    config.json stays as it is. ONNX graphs carry it in their ``bitpress`` metadata (:func:`record_pass`).
     """
     if source is None:
         return
     for f in files:
-        if f.name != MANIFEST_NAME or not f.is_file():
-            continue
-        try:
-            data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and isinstance(data.get("made", {}), dict):
-            data["made"] = {**data.get("made", {}), "input": source}
-            f.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+        if f.name == MANIFEST_NAME and f.is_file():
+            data = _read_json(f)
+            if isinstance(data, dict) and isinstance(data.get("made", {}), dict):
+                data["made"] = {**data.get("made", {}), "input": source}
+                f.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+        elif hf_folder is not None and f == hf_folder / "config.json" and f.is_file():
+            data = _read_json(f)
+            qc = data.get("quantization_config") if isinstance(data, dict) else None
+            if isinstance(qc, dict) and qc.get("quant_method") == HF_QUANT_METHOD:
+                qc["source"] = source
+                # a new file, not the old one rewritten: a checkpoint saved by hard links shares its inode
+                tmp = f.with_name(f".{f.name}.{uuid.uuid4().hex[:8]}")
+                tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+                os.replace(tmp, f)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def _note_runtime(context: PassContext, model: ModelHandle, wf: Workflow, prefix: str) -> None:
@@ -306,7 +327,15 @@ def record_pass(model: ModelHandle, pass_: Pass, source: dict[str, Any] | None =
     nothing that varies between equal runs (no paths, times or thread counts), so the same
     pass on the same input still writes the same bytes. ``source``: where the input came from
     (a Hub id's repo, revision and commit: :attr:`Workflow.origin`), kept as ``"source"``.
+    An export of a Hugging Face model to ONNX (``hf_to_onnx``) records it in each of its graphs;
+    other kinds of models keep it their own way (:func:`_note_source`).
     """
+    from bitpress.hf.export import HfOnnxExport
+
+    if isinstance(model, HfOnnxExport):
+        for graph in model.models.values():
+            record_pass(graph, pass_, source)
+        return
     if not isinstance(model, OnnxModel):
         return
     from bitpress import __version__
