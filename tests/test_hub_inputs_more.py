@@ -235,6 +235,28 @@ def test_sweep_models_may_be_hub_ids(cache: Path, decoder_bytes: bytes, tmp_path
     assert {r["source"]["commit"] for r in saved} == {COMMIT, OTHER}
 
 
+def test_a_sweeps_eval_tokenizer_may_be_a_hub_id(cache: Path, decoder_bytes: bytes, tmp_path: Path) -> None:
+    from bitpress.errors import BitpressError
+    from bitpress.sweep.config import load_sweep_config, parse_sweep
+
+    snapshot = make_cache(cache, TOK, {"tokenizer.json": tokenizer_bytes()}, commit=TOK_COMMIT)
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "model.onnx").write_bytes(decoder_bytes)  # no tokenizer beside it: eval.tokenizer is needed
+    (conf / "corpus.txt").write_text(" ".join(f"w{3 + i % 60}" for i in range(400)))
+    (conf / "sweep.yaml").write_text(yaml.safe_dump({
+        "models": ["model.onnx"], "passes": ["rtn"], "output": "out",
+        "eval": {"text": "corpus.txt", "tokenizer": TOK, "windows": 1, "seq_len": 16},
+    }))
+    raw = load_sweep_config(conf / "sweep.yaml")
+    assert raw["eval"]["tokenizer"] == TOK  # kept as written: a Hub id, not a path beside the config
+    cfg = parse_sweep(raw)
+    assert cfg.eval is not None and Path(cfg.eval.tokenizer) == snapshot
+    raw["eval"]["tokenizer"] = "acme/no-such-tokenizer"
+    with pytest.raises(BitpressError, match="acme/no-such-tokenizer"):
+        parse_sweep(raw)
+
+
 # -- Olive-style input_model ---------------------------------------------------------------------------
 def test_olive_input_model_path_may_be_a_hub_id(cache: Path, decoder_bytes: bytes, tmp_path: Path) -> None:
     import bitpress
@@ -255,3 +277,24 @@ def test_olive_input_model_path_may_be_a_hub_id(cache: Path, decoder_bytes: byte
     assert source_of(conf / "out" / "model.onnx")["commit"] == COMMIT
     # input: wins over input_model, as build_workflow reads them
     assert resolve_config({"input": "local.onnx", "input_model": {"model_path": REPO}, "output": "o"})[1] is None
+
+
+def test_olive_tokenizer_dir_may_be_a_hub_id(cache: Path, decoder_bytes: bytes, tmp_path: Path) -> None:
+    """Olive's per-pass ``tokenizer_dir`` (the calibration text's tokenizer) as a Hub id: its tokenizer files."""
+    import bitpress
+    from bitpress.api import resolve_config
+
+    tok = make_cache(cache, TOK, {"tokenizer.json": tokenizer_bytes()}, commit=TOK_COMMIT)
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "model.onnx").write_bytes(decoder_bytes)
+    (conf / "calib.txt").write_text(" ".join(f"w{3 + i % 60}" for i in range(600)))
+    (conf / "olive.yaml").write_text(yaml.safe_dump({
+        "input_model": {"type": "ONNXModel", "model_path": "model.onnx"}, "output_dir": "out",
+        "data": {"source": "calib.txt", "samples": 2, "seq_len": 16},
+        "passes": {"q": {"type": "gptq", "tokenizer_dir": TOK}},
+    }))
+    config, _ = resolve_config(conf / "olive.yaml")
+    assert Path(config["passes"]["q"]["tokenizer_dir"]) == tok
+    result = bitpress.run(conf / "olive.yaml")
+    assert (conf / "out" / "model.onnx").is_file() and [name for name, _, _ in result.reports] == ["gptq"]

@@ -222,7 +222,20 @@ def resolve_config(config: dict[str, Any] | str | Path) -> tuple[dict[str, Any],
             config["input"] = str(resolved)
     if isinstance(config.get("data"), dict | str):
         config["data"] = resolve_data(config["data"], source, base)
+    _olive_tokenizer_dirs(config, base)
     return config, source
+
+
+def _olive_tokenizer_dirs(config: dict[str, Any], base: Path | None) -> None:
+    """Olive's per-pass ``tokenizer_dir`` that is a Hub id, made the local folder of its tokenizer files."""
+    passes = config.get("passes")
+    entries = passes.values() if isinstance(passes, dict) else passes if isinstance(passes, list) else ()
+    for entry in entries:
+        for where in (entry, entry.get("options"), entry.get("config")) if isinstance(entry, dict) else ():
+            written = _as_written(where.get("tokenizer_dir"), base) if isinstance(where, dict) else None
+            if isinstance(written, str) and hub.hub_id(written, base) is not None:
+                path, found = hub.resolve(written, what="tokenizer_dir", base=base, kind="tokenizer")
+                where["tokenizer_dir"] = str(found.tokenizer_dir or path) if found is not None else str(path)
 
 
 def _as_written(value: Any, base: Path | None) -> Any:

@@ -194,7 +194,8 @@ def load_sweep_config(path: str | Path) -> dict[str, Any]:
         data["models"] = model(data["models"])
     ev = data.get("eval")
     if isinstance(ev, dict):
-        data["eval"] = {k: relative(v) if k in ("text", "tokenizer", "data") else v for k, v in ev.items()}
+        data["eval"] = {k: relative(v) if k in ("text", "tokenizer", "data") and not (
+            k == "tokenizer" and hub.hub_id(v, base) is not None) else v for k, v in ev.items()}
     return data
 
 
@@ -477,6 +478,10 @@ def _eval(raw: Any) -> EvalSpec | None:
     for key in ("text", "tokenizer", "data"):
         path = _path_value(raw.get(key), f"eval.{key}")
         if path is None:
+            continue
+        if key == "tokenizer" and hub.hub_id(path) is not None:  # org/name[@rev]: its tokenizer files, resolved once
+            local, found = hub.resolve(path, what="eval.tokenizer", kind="tokenizer")
+            values[key] = str(found.tokenizer_dir or local) if found is not None else str(local)
             continue
         if not (key == "data" and path == "random") and not Path(path).exists():
             raise ConfigError(f"eval.{key}: {path} does not exist (paths in a config file are relative to its folder)")
