@@ -128,6 +128,7 @@ def push(output: Path, repo_id: str, *, revision: str | None = None, private: bo
         send = pkg.to_send
         if not send:
             pkg.status = "unchanged"
+            done.append(pkg.folder or INDEX)
             continue
         size = sum(f.size for f in send)
         what = pkg.folder or INDEX
@@ -136,7 +137,8 @@ def push(output: Path, repo_id: str, *, revision: str | None = None, private: bo
             pkg.commit = upload(api, repo_id, output / pkg.folder, [f.name for f in send], path_in_repo=pkg.folder,
                                 revision=revision, message=f"bitpress publish: {what} ({len(send)} file(s))")
         except HubError as exc:
-            there = f"{len(done)} package(s) are on the Hub ({', '.join(done)})" if done else "nothing was committed"
+            there = (f"{len(done)} package(s) are on the Hub ({', '.join(done)})" if done
+                     else "no package is on the Hub yet")
             raise HubError(f"{exc}; {there}; run the same command again to resume: what is on the Hub already is "
                            "not sent again") from exc
         pkg.status = "pushed"
