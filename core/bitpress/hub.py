@@ -227,7 +227,7 @@ def _from_hub(hub: HubId, subfolder: str | None, what: str, kind: str | None, tr
     except HubError:
         raise
     except Exception as exc:  # huggingface_hub's and httpx's errors, mapped to one line each
-        if _is_connection_error(exc):  # the Hub cannot be reached: the cache may still have it
+        if is_connection_error(exc):  # the Hub cannot be reached: the cache may still have it
             return _from_cache(hub, subfolder, what, kind, tried, reason=f"the Hub could not be reached "
                                f"({type(exc).__name__}: {one_line(exc, 200)})")
         raise _error(exc, hub, what, tried) from exc
@@ -314,7 +314,8 @@ def _where_models(files: list[str], prefix: str) -> str:
     return f"; models are in {shown}: pass --subfolder {folders[0]} (subfolder: in a config)"
 
 
-def _is_connection_error(exc: BaseException) -> bool:
+def is_connection_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says the Hub could not be reached (offline mode included; a proxy refusal is not)."""
     from huggingface_hub.errors import OfflineModeIsEnabled
 
     if isinstance(exc, OfflineModeIsEnabled):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bitpress.errors import one_line
-from bitpress.hub import HUB_INSTALL_HINT, HubError, offline_mode, parse
+from bitpress.hub import HUB_INSTALL_HINT, HubError, is_connection_error, offline_mode, parse
 
 log = logging.getLogger(__name__)
 
@@ -216,13 +216,7 @@ def error(exc: BaseException, doing: str) -> HubError:
                         "or set HF_TOKEN); check the name")
     if isinstance(exc, HFValidationError):
         return HubError(f"{doing}: {one_line(exc, 200)}")
-    try:
-        import httpx
-
-        unreachable = isinstance(exc, httpx.ConnectError | httpx.TimeoutException | ConnectionError)
-    except ImportError:
-        unreachable = isinstance(exc, ConnectionError | TimeoutError)
-    if unreachable:
+    if is_connection_error(exc):  # the same rule as a Hub id's download
         return HubError(f"{doing}: the Hub at {_endpoint()} could not be reached ({type(exc).__name__}: "
                         f"{one_line(exc, 200)}); check the network (HF_ENDPOINT) and run again")
     code = f"HTTP {status}: " if status else f"{type(exc).__name__}: "
