@@ -316,10 +316,30 @@ def test_spinquant_trains_for_int8_activations() -> None:
     ({"w_group_size": 48}, "w_group_size must be a power of two"),
     ({"training_args": {"learning_rate": 3}}, r"learning_rate must be in \(0, 1\]"),
     ({"training_args": {"max_steps": -1}}, "max_steps must be a whole number"),
+    ({"device": "gpu"}, "device must be auto, cpu, cuda or cuda:N"),
 ])
 def test_spinquant_options_are_checked(tmp_path: Path, options: dict[str, Any], message: str) -> None:
     with pytest.raises(BitpressError, match=message):
         _run([{"type": "SpinQuant", **options}], _folder(tmp_path), tmp_path / "o")
+
+
+def test_spinquant_device_cpu_trains_the_same_rotation_as_auto_without_a_gpu(tmp_path: Path) -> None:
+    """device: cpu and auto (no GPU here) give the same checkpoint; a GPU asked for that torch cannot use is refused
+    in one line saying why and what to give instead, before anything is written."""
+    import torch
+
+    src = _folder(tmp_path, bias=False)
+    steps = {"training_args": {"max_steps": 2}}
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a CUDA GPU: auto trains there")
+    cpu = _run([{"type": "spinquant_hf", "device": "cpu", **steps}], src, tmp_path / "cpu")
+    auto = _run([{"type": "spinquant_hf", **steps}], src, tmp_path / "auto")
+    assert (cpu / "model.safetensors").read_bytes() == (auto / "model.safetensors").read_bytes()
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(BitpressError, match=rf"device {device} asked for, but torch cannot use a CUDA GPU here "
+                                                r"\(.*\); use device: cpu"):
+            _run([{"type": "spinquant_hf", "device": device, **steps}], src, tmp_path / "gpu")
+        assert not (tmp_path / "gpu").exists()
 
 
 def test_spinquant_without_data_trains_on_the_models_own_text(tmp_path: Path, caplog: pytest.LogCaptureFixture

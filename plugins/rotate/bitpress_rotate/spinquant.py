@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -57,6 +58,8 @@ TRAINING_DEFAULTS: dict[str, Any] = {"max_steps": 100, "learning_rate": 0.05, "p
 DEFAULT_SAMPLES = 32
 #: windows the reported loss (before and after training) is measured on
 EVAL_WINDOWS = 8
+#: a device name of one CUDA GPU by its index
+_CUDA_INDEX = re.compile(r"cuda:\d+")
 #: SpinQuant's extra start: no rotation (the training then only ever improves on the unrotated model)
 IDENTITY = "identity"
 
@@ -80,6 +83,8 @@ class SpinQuantOptions(RotationFields):
     w_bits: int = option(4, "weight bits the rotation is trained for: those of the quantizer that follows (4 or 8)")
     w_group_size: int = option(128, "weights per block of that quantizer")
     w_symmetric: bool = option(True, "that quantizer is symmetric (false: zero points)")
+    device: str = option("auto", "where the rotation trains: auto (a CUDA GPU when torch sees one, else the CPU), "
+                                 "cpu, cuda or cuda:N; the rotated model is always returned on the CPU")
     training_args: dict[str, Any] = option(
         {}, "max_steps (100), learning_rate (0.05: the rotation angle of a step, decaying linearly to 0), "
             "per_device_train_batch_size (4 windows per step); other TrainingArguments keys are ignored, named in "
@@ -97,6 +102,8 @@ class SpinQuantOptions(RotationFields):
             raise OptionError(f"spinquant: w_bits must be 2, 4 or 8, got {self.w_bits}")
         if self.w_group_size < 16 or self.w_group_size & (self.w_group_size - 1):
             raise OptionError(f"spinquant: w_group_size must be a power of two >= 16, got {self.w_group_size}")
+        if not (self.device in ("auto", "cpu", "cuda") or _CUDA_INDEX.fullmatch(str(self.device))):
+            raise OptionError(f"spinquant: device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not isinstance(self.training_args, dict):
             raise OptionError("spinquant: training_args must be a mapping")
         args = self.training()
@@ -113,6 +120,26 @@ class SpinQuantOptions(RotationFields):
 
     def training(self) -> dict[str, Any]:
         return {**TRAINING_DEFAULTS, **{k: v for k, v in self.training_args.items() if k in TRAINING_DEFAULTS}}
+
+
+def training_device(name: str) -> torch.device:
+    """The torch device ``device`` names (``auto``: the first CUDA GPU when torch sees one, else the CPU); a
+    GPU asked for that torch cannot use is an OptionError saying why."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA device visible to torch"
+        raise OptionError(f"spinquant: device {name} asked for, but torch cannot use a CUDA GPU here ({build}); "
+                          "use device: cpu (or auto, which takes a GPU only when there is one)")
+    index = int(name.split(":")[1]) if ":" in name else 0
+    if index >= torch.cuda.device_count():
+        raise OptionError(f"spinquant: device {name} asked for, but torch sees {torch.cuda.device_count()} CUDA "
+                          "device(s); use cuda:0 .. cuda:N-1, or auto")
+    return torch.device("cuda", index)
 
 
 def fake_quant(x: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> torch.Tensor:
@@ -160,7 +187,7 @@ def cayley_step(x: torch.Tensor, grad: torch.Tensor, rate: float) -> float:
     if norm == 0.0 or rate == 0.0:
         return norm
     a = a * (rate / norm)
-    eye = torch.eye(x.shape[0], dtype=x.dtype)
+    eye = torch.eye(x.shape[0], dtype=x.dtype, device=x.device)
     x.copy_(torch.linalg.solve(eye + a / 2, (eye - a / 2) @ x))
     return norm
 
@@ -221,7 +248,8 @@ class _ActivationQuant:
 def train_rotation(model: nn.Module, lay: Layout, g: torch.Tensor, windows: list[tuple[torch.Tensor, Any]],
                    opts: SpinQuantOptions, progress: Any = None) -> tuple[torch.Tensor, list[torch.Tensor], Training]:
     """Learn R1 and the R2s on the folded float32 ``model`` (a tied head carries the product ``diag(g)``
-    already); returns them (float64, orthonormal) and what the training did."""
+    already), on the device the model's parameters are on; returns them (float64, orthonormal, on the CPU)
+    and what the training did."""
     import torch
     from torch.func import functional_call
 
@@ -230,16 +258,17 @@ def train_rotation(model: nn.Module, lay: Layout, g: torch.Tensor, windows: list
     args = opts.training()
     steps, rate0, size = int(args["max_steps"]), float(args["learning_rate"]), int(args["per_device_train_batch_size"])
     rng = np.random.default_rng(opts.seed)
-    r1 = torch.from_numpy(start(lay.hidden, opts.rotate_mode, rng)).float()
-    r2s = [torch.from_numpy(start(lay.head_dim, opts.rotate_mode, rng)).float() for _ in lay.layers] \
+    device = lay.embed.weight.device
+    r1 = torch.from_numpy(start(lay.hidden, opts.rotate_mode, rng)).float().to(device)
+    r2s = [torch.from_numpy(start(lay.head_dim, opts.rotate_mode, rng)).float().to(device) for _ in lay.layers] \
         if opts.rotate_heads else None
     quantized = {lay.names[id(getattr(b, n).weight)] for layer in lay.layers
                  for part, b in (("attn", layer.self_attn), ("mlp", layer.mlp))
                  for n in (*READERS[part], WRITERS[part])}
-    g32 = g.to(torch.float32)
+    g32 = g.to(device=device, dtype=torch.float32)
     product = f"{lay.head_name}.{BUFFER}"
-    ids = torch.cat([w for w, _ in windows])
-    masks = torch.cat([m if m is not None else torch.ones_like(w) for w, m in windows])
+    ids = torch.cat([w for w, _ in windows]).to(device)
+    masks = torch.cat([m if m is not None else torch.ones_like(w) for w, m in windows]).to(device)
     requires = {id(p): p.requires_grad for p in model.parameters()}
     for p in model.parameters():
         p.requires_grad_(False)
@@ -293,8 +322,8 @@ def train_rotation(model: nn.Module, lay: Layout, g: torch.Tensor, windows: list
         hooks.close()
         for p in model.parameters():
             p.requires_grad_(requires.get(id(p), False))
-    r1_out = _orthonormal(r1.detach())
-    r2_out = [_orthonormal(r.detach()) for r in r2s] if r2s is not None else None
+    r1_out = _orthonormal(r1.detach()).cpu()
+    r2_out = [_orthonormal(r.detach()).cpu() for r in r2s] if r2s is not None else None
     return r1_out, r2_out, Training(steps, len(ids), first, last, time.perf_counter() - t0)
 
 
@@ -352,8 +381,15 @@ class SpinQuantHfPass(Pass):
         g = fold_norms(trainee, train_lay)
         if train_lay.tied:
             attach(trainee, train_lay.head_name, torch.diag(g).to(torch.float32))
-        with context.step(int(opts.training()["max_steps"]), "training the rotation") as advance:
-            r1, r2s, training = train_rotation(trainee, train_lay, g, windows, opts, progress=advance)
+        device = training_device(opts.device)
+        if device.type != "cpu":
+            log.info("%s: training the rotation on %s (%s)", self.name, device, torch.cuda.get_device_name(device))
+        try:
+            trainee.to(device)
+            with context.step(int(opts.training()["max_steps"]), "training the rotation") as advance:
+                r1, r2s, training = train_rotation(trainee, train_lay, g, windows, opts, progress=advance)
+        finally:
+            trainee.to("cpu")
         if trainee is not torch_model:
             del trainee
             g = fold_norms(torch_model, lay)
