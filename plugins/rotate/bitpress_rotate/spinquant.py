@@ -357,6 +357,7 @@ class SpinQuantHfPass(Pass):
         if ignored:
             log.warning("%s: training_args %s ignored (read: %s)", self.name, ", ".join(ignored),
                         ", ".join(TRAINING_DEFAULTS))
+        device = training_device(opts.device)  # a GPU that cannot be used is refused before the model is read
         where = model.source.name
         torch_model = model.torch_model()
         check_hadamard(self.name, torch_model, opts, where)
@@ -381,7 +382,6 @@ class SpinQuantHfPass(Pass):
         g = fold_norms(trainee, train_lay)
         if train_lay.tied:
             attach(trainee, train_lay.head_name, torch.diag(g).to(torch.float32))
-        device = training_device(opts.device)
         if device.type != "cpu":
             log.info("%s: training the rotation on %s (%s)", self.name, device, torch.cuda.get_device_name(device))
         try:
