@@ -4,7 +4,7 @@ The quality issue asks for a recipe of at most 5.0 bits per weight reaching perp
 4096 tokens of ``lee_background.cor`` in windows of 512. The table (262144 x 640, tied: the embedding and
 the LM head) holds 63% of the model's weights, so a 5.0 budget leaves it no more than the smallest 4-bit
 layouts; this bench measures what that costs, and what the body costs at 4 and 8 bits, each part quantized
-alone while the other stays float: a lower bound on the error of any recipe that gives that part those bits.
+alone while the other stays float: what that part costs on its own at those bits.
 Same model and calibration as ``bench/bpw.py`` (the Q4_K_M GGUF dequantized, built by mobius in f32; 32
 windows of 128 tokens of Python's documentation, out of domain), int4 asymmetric; perplexity on the issue's
 windows. Writes ``docs/gemma-floor.md``.
@@ -190,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "gemma-3-270m as every bench here has it (the Q4_K_M GGUF dequantized, built by mobius in f32: its table "
         "is Q8_0 in the GGUF, its q / k / gate / up Q5_0, o_proj Q4_K, v_proj Q8_0, down_proj Q6_K), int4 "
-        "asymmetric unless said; the part named is quantized and the rest stays float, so a row is a lower "
-        "bound on the error of any recipe giving that part those bits. Calibration (GPTQ's Hessians, the "
+        "asymmetric unless said; the part named is quantized and the rest stays float, so a row is what that "
+        "part costs on its own at those bits (the two parts' costs roughly add: compare the rows for everything). "
+        "Calibration (GPTQ's Hessians, the "
         f"budget's sensitivity): {SAMPLES} windows of {CALIB_LEN} tokens of Python's documentation (out of "
         f"domain; GPTQ's default takes half of them from the model's own text). Perplexity on the issue's "
         f"measure: the first {WINDOWS * EVAL_LEN} tokens of `lee_background.cor` in windows of {EVAL_LEN} "
