@@ -7,7 +7,8 @@ Writes ``docs/speed.md`` (``make -C bench speed``; the project's venv runs it)::
     .venv/bin/python bench/speed.py --render-only           # docs/speed.md again from the last results
 
 For each model: the float32 package (SmolLM2: the GenAI builder's fp32 CPU export; gemma-3: the
-GGUF dequantized by transformers and built by mobius, the only float form on PyPI), the builder's
+GGUF dequantized by transformers and exported by ``bitpress export`` in f32, checked against transformers; the
+only float form on PyPI), the builder's
 own int4 at blocks 32, 64 and 128 (its RTN, symmetric, accuracy_level 4: the peer), every bitpress
 int4 / int8 / nf4 variant of docs/quality.md quantizing that float package with its defaults
 (``bitpress quantize`` on the package), bitpress's exact import of the GGUF file (``bitpress export
@@ -173,11 +174,16 @@ def locate(family: str, reuse: bool) -> Inputs:
         if not (reuse and (pkg / "genai_config.json").is_file()):
             for d in (hf, pkg):
                 shutil.rmtree(d, ignore_errors=True)
-            log("gemma-3-270m: the GGUF dequantized by transformers (bitpress_gguf.hf_folder), built by mobius (f32)")
+            log("gemma-3-270m: the GGUF dequantized by transformers (bitpress_gguf.hf_folder), exported by bitpress "
+                "(f32, the exporter auto picks, checked against transformers)")
             t = run_tool([str(VENV_BIN / "python"), "-m", "bitpress_gguf.hf_folder", str(gguf), str(hf)],
                          WORK / family / "logs" / "hf.log")
-            t += run_tool([str(VENV_BIN / "python"), "-m", "mobius", "build", "--config", str(hf), str(pkg), "--dtype",
-                           "f32", "--ep", "cpu", "--runtime", "ort-genai"], WORK / family / "logs" / "float.log")
+            built = WORK / family / "float-export"
+            shutil.rmtree(built, ignore_errors=True)
+            t += run_tool([str(VENV_BIN / "bitpress"), "export", str(hf), "-o", str(built), "--dtype", "f32"],
+                          WORK / family / "logs" / "float.log")
+            (built / hf.name).rename(pkg)
+            shutil.rmtree(built, ignore_errors=True)
             copy_tokenizer(hf, pkg)
             builds["gemma3-float"] = f"built in {t:.0f} s"
         else:
@@ -653,11 +659,11 @@ def render(meta: dict[str, Any], results: dict[str, list[Row]], kernel_rows: lis
         lines += [f"## {names.get(family, family)}", ""]
         src = {"smollm2": "the GenAI builder's fp32 CPU export of the model (transformers' dequantization of the "
                           "Q4_1 GGUF on PyPI, docs/real-models.md)",
-               "gemma3": "mobius's f32 build of the Q4_K_M GGUF dequantized by transformers (the only copy on "
-                         "PyPI). The GenAI builder 0.18 fails on this model (`KeyError: 'rope_type'` in its "
-                         "Gemma-3 path, with transformers 5.17's config), so the peer rows are its recipe (RTN, "
-                         "symmetric, accuracy_level 4) by ONNX Runtime's own `MatMulNBitsQuantizer` on the float "
-                         "package"}
+               "gemma3": "`bitpress export --dtype f32` of the Q4_K_M GGUF dequantized by transformers (the only "
+                         "copy on PyPI): the exporter `auto` picks (the GenAI builder, given Gemma-3's rope "
+                         "parameters per layer type), its logits checked against transformers "
+                         "(docs/architectures.md). The peer rows are the builder's recipe (RTN, symmetric, "
+                         "accuracy_level 4) by ONNX Runtime's own `MatMulNBitsQuantizer` on the float package"}
         lines += [f"float32 package: {src.get(family, '')}. Every bitpress row is `bitpress quantize` of that package "
                   "with the pass's defaults (target cpu: accuracy_level 4) unless the label says otherwise; the GGUF "
                   "import is `bitpress export` of the GGUF file itself.", ""]

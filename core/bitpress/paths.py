@@ -337,3 +337,26 @@ def lexists(p: Path) -> bool:
 def kind_of(value: object) -> str:
     return {dict: "an object", list: "a list", bool: "a boolean", int: "a number", float: "a number",
             type(None): "null"}.get(type(value), type(value).__name__)
+
+
+#: files that mark a folder as a model of its own (a Hugging Face checkpoint, a GenAI package)
+MODEL_MARKERS = ("config.json", "genai_config.json")
+
+
+def run_output_model(folder: str | os.PathLike[str]) -> Path | None:
+    """The one model folder inside ``folder``, when ``folder`` is what a run wrote (``quantize -o OUT``
+    writes ``OUT/<input name>/``): no model file of its own (no ``config.json``, ``genai_config.json``
+    or ``.onnx``) and exactly one entry, a real folder (not a link) that has one. None otherwise."""
+    root = Path(folder)
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return None
+    if any(e.name in MODEL_MARKERS or e.name.endswith(".onnx") for e in entries) or len(entries) != 1:
+        return None
+    (inner,) = entries
+    if _is_link(inner) or not inner.is_dir():
+        return None
+    if any((inner / m).is_file() for m in MODEL_MARKERS) or any(inner.glob("*.onnx")):
+        return inner
+    return None

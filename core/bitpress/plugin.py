@@ -56,7 +56,9 @@ What it offers, by topic (see ``docs/writing-a-plugin.md``):
   applied to its input, saved with the checkpoint and carried into exports): ``attach_online``,
   ``detach_online``, ``ONLINE_BUFFER``, ``output_embedding_name``.
 * **Evaluation.** ``OutputAccumulator`` (relative error of a model's outputs, sample by sample).
-* **GenAI packages.** ``GenaiPackage``, ``check_package``, ``builder_reason``.
+* **GenAI packages.** ``GenaiPackage``, ``check_package``, ``builder_reason``; ``check_logits`` (a built
+  package's logits against a PyTorch model's, prefill and decode: the check every export passes) and
+  ``fix_gemma3`` (mobius's Gemma-3 graphs given their layer types' rotary tables, window and scale).
 """
 
 from __future__ import annotations
@@ -78,7 +80,9 @@ if TYPE_CHECKING:  # the real imports, for type checkers and IDEs; at run time n
         summarize_names,
     )
     from bitpress.evaluate.metrics import OutputAccumulator
+    from bitpress.genai.check import check_logits
     from bitpress.genai.export import GenaiPackage, builder_reason, check_package
+    from bitpress.genai.mobius import fix_gemma3
     from bitpress.hf.calibrated import Method
     from bitpress.hf.calibrated_pass import CalibratedHfOptions, CalibratedHfPass, check_float_model
     from bitpress.hf.layer_inputs import calibration_batches
@@ -276,6 +280,8 @@ _EXPORTS: dict[str, str] = {
     "GenaiPackage": "bitpress.genai.export",
     "check_package": "bitpress.genai.export",
     "builder_reason": "bitpress.genai.export",
+    "check_logits": "bitpress.genai.check",
+    "fix_gemma3": "bitpress.genai.mobius",
 }
 
 __all__ = [
@@ -351,6 +357,7 @@ __all__ = [
     "calibration_feeds",
     "check_block_size",
     "check_float_model",
+    "check_logits",
     "check_package",
     "coerce",
     "contained",
@@ -362,6 +369,7 @@ __all__ = [
     "detach_online",
     "dist_version",
     "drop_unused_opsets",
+    "fix_gemma3",
     "get_registry",
     "graph_paths",
     "hookimpl",

@@ -10,6 +10,7 @@ perplexity within a bound measured here.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -115,7 +116,9 @@ def test_smollm2_q4_1_package_generates_what_transformers_does(converted: tuple[
 @pytest.fixture(scope="module")
 def gemma3_converted(gemma3_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """gemma-3-270m Q4_K_M through gguf_to_genai, and its float graph built the same way (transformers'
-    dequantized folder -> mobius build): the reference."""
+    dequantized folder -> mobius build, its Gemma-3 attention corrected by fix_gemma3): the reference."""
+    from bitpress.plugin import fix_gemma3
+
     root = tmp_path_factory.mktemp("gemma3")
     # accuracy_level 0: the tests below check exactness (the same perplexity, the same greedy tokens)
     bitpress.run({"input": str(gemma3_gguf), "output": str(root / "pkg"),
@@ -125,6 +128,7 @@ def gemma3_converted(gemma3_gguf: Path, tmp_path_factory: pytest.TempPathFactory
                  [sys.executable, "-m", "mobius", "build", "--config", str(root / "hf"), str(root / "float"),
                   "--dtype", "f32", "--ep", "cpu", "--runtime", "ort-genai"]):
         subprocess.run(argv, check=True, capture_output=True, env=env, timeout=1800)
+    assert fix_gemma3(root / "float", json.loads((root / "hf" / "config.json").read_text())) == 18
     shutil.rmtree(root / "hf")  # 1 GB of float weights the float graph now holds
     return root / "pkg" / gemma3_gguf.stem, root / "float" / "model.onnx"
 
@@ -158,3 +162,14 @@ def test_gemma3_package_tokenizes_words_and_generates_the_float_tokens(gemma3_co
     shutil.copyfile(pkg / "genai_config.json", float_model.parent / "genai_config.json")
     want = greedy(float_model.parent, enc.ids, 8)
     assert got == want, (tok.decode(got), tok.decode(want))
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_gguf_imports_equal_transformers_on_float_activations(which: str, request: pytest.FixtureRequest) -> None:
+    """Every import is compared with transformers' forward of the GGUF's dequantized weights before it is kept
+    (bitpress.genai.check: two prompts, prefill and decode, the gemma one crossing no window of 512): the
+    comparison it made is in the manifest, within float rounding."""
+    pkg = request.getfixturevalue("converted" if which == "smollm2" else "gemma3_converted")[0]
+    check = json.loads((pkg / "bitpress-manifest.json").read_text())["made"]["check"]
+    assert check["max_abs"] <= check["tolerance"] * max(check["largest_logit"], 1.0)
+    assert check["greedy_equal"] and check["decode_steps"] == 3

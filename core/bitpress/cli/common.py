@@ -133,6 +133,15 @@ def mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
+def size_change(ratio: float, model_in: int) -> str:
+    """How the output's size compares with the input's (``ratio`` = input / output), read the right way round."""
+    if not ratio or abs(ratio - 1.0) < 0.005:
+        return f"the same size as the input's {mb(model_in)}"
+    if ratio > 1:
+        return f"the model is {ratio:.2f}x smaller than {mb(model_in)}"
+    return f"the model is {1 / ratio:.2f}x larger than {mb(model_in)}"
+
+
 def print_table(rows: list[list[str]], indent: str = "") -> None:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -151,8 +160,8 @@ def report(result: Any, as_json: bool, show_weights: bool = False) -> None:
     model_out = result.output_model_bytes if result.output_model_bytes is not None else result.output_bytes
     model_in = result.input_model_bytes if result.input_model_bytes is not None else result.input_bytes
     extra = f" + {mb(result.companion_bytes)} of companion files" if result.companion_bytes else ""
-    print(f"wrote {result.output} ({mb(model_out)} of model{extra}; the model is {result.ratio:.2f}x smaller "
-          f"than {mb(model_in)}) in {total:.1f} s")
+    print(f"wrote {result.output} ({mb(model_out)} of model{extra}; {size_change(result.ratio, model_in)}) "
+          f"in {total:.1f} s")
     for name, src, rep in result.reports:
         summary = rep.summary() if hasattr(rep, "summary") else str(rep)
         print(f"  {name} on {Path(src).name}: {summary}")

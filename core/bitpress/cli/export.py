@@ -23,8 +23,9 @@ def add_export(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--runtime", choices=("genai", "onnx"), default="genai",
                    help="genai: a GenAI package by a real exporter (KV cache, genai_config.json); onnx: bitpress's "
                         "own graph without KV cache (hf_to_onnx)")
-    x.add_argument("--exporter", choices=("builder", "mobius"), default="builder",
-                   help="genai: builder (python -m onnxruntime_genai.models.builder) or mobius (mobius build)")
+    x.add_argument("--exporter", choices=("auto", "builder", "mobius"), default="auto",
+                   help="genai: auto (the exporter that builds this architecture right, docs/architectures.md), "
+                        "builder (python -m onnxruntime_genai.models.builder) or mobius (mobius build)")
     x.add_argument("--dtype", choices=("auto", "f32", "f16", "bf16"), default="auto",
                    help="genai: weights and activations (auto: f32; the builder: float checkpoints only)")
     x.add_argument("--ep", default="cpu", help="genai: execution provider (builder: cpu, cuda, dml, webgpu, "
@@ -70,12 +71,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     step: dict[str, Any] = {"type": "hf_to_onnx"}
     if Path(args.model).suffix.lower() == ".gguf":  # the gguf plugin's conversion (bitpress[gguf])
-        if args.runtime != "genai" or args.exporter != "builder" or args.dtype != "auto":
+        if args.runtime != "genai" or args.exporter != "auto" or args.dtype != "auto":
             raise UsageError("a .gguf file is exported as a GenAI package by gguf_to_genai: only --ep and --option")
         step = {"type": "gguf_to_genai", "ep": args.ep}
     elif args.runtime == "genai":
         step = {"type": "hf_to_genai", "exporter": args.exporter, "dtype": args.dtype, "ep": args.ep}
-    elif args.dtype != "auto" or args.ep != "cpu" or args.exporter != "builder":
+    elif args.dtype != "auto" or args.ep != "cpu" or args.exporter != "auto":
         raise UsageError("--exporter, --dtype and --ep apply to --runtime genai")
     step.update(_typed_options(step["type"], parse_kv(args.option)))
     config: dict[str, Any] = {"input": args.model, "output": str(args.output), "passes": [step]}

@@ -41,6 +41,7 @@ import numpy as np
 
 from bitpress.errors import ExportError, ValidationError
 from bitpress.genai import GENAI_INSTALL_HINT
+from bitpress.genai.exporters import EXPORTERS
 from bitpress.models.base import ModelHandle
 
 if TYPE_CHECKING:
@@ -51,7 +52,6 @@ log = logging.getLogger(__name__)
 #: --dtype -> the builder's precision, for float checkpoints
 FLOAT_PRECISION = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}
 EPS = ("cpu", "cuda", "dml", "webgpu", "NvTensorRtRtx")  # the builder's -e choices (0.18)
-EXPORTERS = ("builder", "mobius")
 BUILD_TIMEOUT_S = 3600
 
 
@@ -94,17 +94,25 @@ def builder_missing() -> str | None:
 
 
 def build_genai(
-    model: HfModel, workdir: Path, *, exporter: str = "builder", dtype: str = "auto", ep: str = "cpu",
+    model: HfModel, workdir: Path, *, exporter: str = "auto", dtype: str = "auto", ep: str = "cpu",
     accuracy_level: int | None = None, extra: dict[str, str] | None = None, check: bool = True,
     split: bool = False, timeout: float = BUILD_TIMEOUT_S,
 ) -> GenaiPackage:
     """Build ``model`` into a GenAI package in ``workdir`` with ``exporter`` (``builder`` or ``mobius``;
     see the module's docstring)."""
     from bitpress.genai import mobius, moe
+    from bitpress.genai.exporters import choose, is_quantized
     from bitpress.hf.olive import write_olive
+    from bitpress.models import hf_files
 
     if exporter not in EXPORTERS:
         raise ExportError(f"unknown exporter {exporter!r}; known: {', '.join(EXPORTERS)}")
+    if extra and exporter == "auto":
+        exporter = "builder"  # builder_options are the builder's
+    choice = choose(exporter, hf_files.read_json(model.source, "config.json"), quantized=is_quantized(model), ep=ep,
+                    dtype=dtype)
+    exporter = choice.exporter
+    log.info("exporter %s", choice.reason)
     reason = builder_missing() if exporter == "builder" else mobius.mobius_missing()
     if reason:
         raise ExportError(reason)
@@ -137,15 +145,14 @@ def build_genai(
             ckpt = moe.stage_moe(model.torch_model(), staged, source=model.source)
         else:
             ckpt = write_olive(model.torch_model(), staged, source=model.source, exporter=exporter)
+    config = hf_files.read_json(staged, "config.json")
     if exporter == "mobius":  # one dtype for float weights and activations; quantized scales are cast to it
-        from bitpress.models import hf_files
-
-        mobius.check_config(hf_files.read_json(staged, "config.json"))
+        mobius.check_config(config)
         arguments = mobius.mobius_argv(staged, out, dtype="f32" if dtype == "auto" else dtype, ep=ep)
         extra_args = arguments[arguments.index("--dtype"):]
         name = "mobius"
     else:
-        _builder_can_read(staged)
+        _builder_can_read(config)
         if ckpt.quantized and dtype != "auto":
             raise ExportError(
                 f"dtype {dtype} applies to float checkpoints with the builder: a quantized one is built by its "
@@ -160,12 +167,13 @@ def build_genai(
         extra_args = ["-p", precision, "-e", ep]
         if options:
             extra_args += ["--extra_options", *(f"{k}={v}" for k, v in options.items())]
-        arguments = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(staged), "-o", str(out),
+        # the builder itself, run on a configuration it reads right (bitpress.genai.builder_run)
+        arguments = [sys.executable, "-m", "bitpress.genai.builder_run", "-i", str(staged), "-o", str(out),
                      "-c", str(cache), *extra_args]
         name = "the GenAI builder"
     _run_exporter(name, arguments, workdir, out, model.source.name, timeout)
     if exporter == "mobius":
-        mobius.finish_mobius(out, hf_files.read_json(staged, "config.json"), accuracy_level)
+        mobius.finish_mobius(out, config, accuracy_level)
         if experts:
             from bitpress.genai import moe_loop
 
@@ -198,30 +206,40 @@ def build_genai(
         from bitpress.genai.split import split_package
 
         split_package(out)
-    if check:
-        check_package(out, "cpu" if ep in mobius.CPU_RUNNABLE else ep)
-    shutil.rmtree(staged, ignore_errors=True)
     made = {"source": model.source.name, "passes": list(getattr(model, "history", []) or []),
             "exporter": "onnxruntime_genai.models.builder" if exporter == "builder" else "mobius build",
-            "exporter_arguments": extra_args,
+            "exporter_arguments": extra_args, "exporter_choice": choice.reason,
             "checkpoint": "olive" if ckpt.quantized else "float, bitpress's experts written into QMoE" if experts
             else "float",
             "components": ["embedding", "decoder"] if split else ["model"]}
+    if check:
+        runs_here = "cpu" if ep in mobius.CPU_RUNNABLE else ep
+        check_package(out, runs_here)
+        if runs_here == "cpu":
+            from bitpress.genai.check import check_logits
+
+            try:
+                made["check"] = check_logits(out, model.torch_model(), dtype="f32" if dtype == "auto" else dtype,
+                                             what=model.source.name, model_type=str(config.get("model_type")),
+                                             workdir=workdir).to_json()
+            except ExportError:
+                shutil.rmtree(out, ignore_errors=True)
+                raise
+    shutil.rmtree(staged, ignore_errors=True)
     return GenaiPackage(model.source, out, made)
 
 
-def _builder_can_read(staged: Path) -> None:
+def _builder_can_read(config: dict[str, Any]) -> None:
     """Refuse, before the build, configs builder 0.18 is known to fail on (measured)."""
-    from bitpress.models import hf_files
+    from bitpress.genai.builder_run import PER_LAYER_TYPE_ROPE
 
-    config = hf_files.read_json(staged, "config.json")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     rope = text.get("rope_parameters")
-    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+    per_type = isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values())
+    if per_type and not set(config.get("architectures") or ()) & set(PER_LAYER_TYPE_ROPE):
         raise ExportError(
             f"the GenAI builder 0.18 cannot read rope_parameters per attention type ({', '.join(sorted(rope))}; "
-            f"model type {config.get('model_type')!r}, as transformers 5 writes Gemma-3's): it fails with "
-            "KeyError 'rope_type'; use --exporter mobius"
+            f"model type {config.get('model_type')!r}; bitpress adapts them for Gemma-3 only): use --exporter mobius"
         )
 
 
@@ -390,9 +408,15 @@ def greedy(folder: Path, prompt: list[int], tokens: int) -> list[int]:
     """Up to ``tokens`` greedy tokens after ``prompt`` from the package ``folder``, by ``onnxruntime_genai``."""
     import onnxruntime_genai as og
 
+    from bitpress.genai.package import read_genai_config
+
+    model_cfg = (read_genai_config(folder) or {}).get("model") or {}
+    # a sliding-window KV cache must hold the window (onnxruntime_genai refuses a smaller max_length)
+    window = int(((model_cfg.get("decoder") or {}).get("sliding_window") or {}).get("window_size") or 0)
+    context = int(model_cfg.get("context_length") or 0) or len(prompt) + tokens
     m = og.Model(str(folder))
     params = og.GeneratorParams(m)
-    params.set_search_options(max_length=len(prompt) + tokens, do_sample=False)
+    params.set_search_options(max_length=min(max(len(prompt) + tokens, window), context), do_sample=False)
     gen = og.Generator(m, params)
     gen.append_tokens(np.array([prompt], dtype=np.int32))
     out: list[int] = []

@@ -171,6 +171,7 @@ def resolve_model(path: str | Path, what: str) -> ModelFile:
     path = path.absolute()  # the checks below join names to it: a relative folder would be joined twice
     if path.is_file():
         return ModelFile(path, path.parent, _genai_config(path.parent))
+    path = paths.run_output_model(path) or path  # what `quantize -o OUT` wrote: OUT/<name>/
     genai = _genai_config(path)
     decoder = ((genai or {}).get("model") or {}).get("decoder") or {}
     if decoder.get("pipeline") and not decoder.get("filename"):

@@ -147,7 +147,7 @@ def check_olive(model: nn.Module, exporter: str = "builder") -> None:
     if bad_k:
         problems.append(
             f"{summarize_names(bad_k)}: the olive format has no padding, K must be a multiple of the group size "
-            "(use a block_size that divides it, e.g. 32 or 64)"
+            "(quantize with a group_size that divides it, e.g. 32 or 64: the *_hf passes' option)"
         )
     if fused:
         problems.append(f"{summarize_names(fused)}: fused expert tensors have no olive form")

@@ -152,8 +152,9 @@ class HfToOnnxPass(Pass):
 
 @dataclass
 class HfToGenaiOptions:
-    exporter: str = option("builder", "the exporter: builder (python -m onnxruntime_genai.models.builder) or "
-                           "mobius (mobius build)")
+    exporter: str = option("auto", "the exporter: auto (the one that builds this architecture right, "
+                           "docs/architectures.md), builder (python -m onnxruntime_genai.models.builder) or mobius "
+                           "(mobius build)")
     dtype: str = option("auto", "f32, f16 or bf16 weights and activations (auto: f32); a quantized checkpoint "
                         "keeps its integers (the builder: auto only, its int4 path; mobius: scales cast to dtype)")
     ep: str = option("cpu", "execution provider the package is built for: builder cpu, cuda, dml, webgpu, "
@@ -161,26 +162,27 @@ class HfToGenaiOptions:
     accuracy_level: int = option(-1, "MatMulNBits accuracy_level (-1: the exporter's default, 4 on cpu: int8 "
                                  "activations; 1: float32 math)")
     builder_options: dict = option({}, "more --extra_options KEY=VALUE for the builder (see its --help)")
-    check: bool = option(True, "check the package: ONNX checker, and on cpu an ONNX Runtime session and one "
-                         "onnxruntime_genai generation step")
+    check: bool = option(True, "check the package: ONNX checker, and on cpu an ONNX Runtime session, a generation "
+                         "step and its logits against transformers' (prefill and decode, docs/architectures.md)")
     split_embedding: bool = option(False, "embedding and decoder as separate components (embedding.onnx, "
                                    "decoder.onnx: a decoder-pipeline package; a tied table stays stored once)")
     trust_remote_code: bool = option(False, "allow the model folder's own Python code (auto_map) to run when loading")
     allow_pickle: bool = option(False, "allow loading .bin/.pt pickled weights (trusted sources only)")
 
     def validate(self) -> None:
-        from bitpress.genai.export import EPS, EXPORTERS, FLOAT_PRECISION
+        from bitpress.genai.export import EPS, FLOAT_PRECISION
+        from bitpress.genai.exporters import EXPORTERS
         from bitpress.genai.mobius import MOBIUS_EPS
 
         if self.exporter not in EXPORTERS:
             raise ValueError(f"exporter must be one of {', '.join(EXPORTERS)}, got {self.exporter!r}")
         if self.dtype != "auto" and self.dtype not in FLOAT_PRECISION:
             raise ValueError(f"dtype must be auto, {', '.join(FLOAT_PRECISION)}, got {self.dtype!r}")
-        eps = EPS if self.exporter == "builder" else MOBIUS_EPS
+        eps = {"builder": EPS, "mobius": MOBIUS_EPS}.get(self.exporter, (*EPS, *MOBIUS_EPS))
         if self.ep not in eps:
-            who = "the builder" if self.exporter == "builder" else "mobius"
+            who = {"builder": "the builder", "mobius": "mobius"}.get(self.exporter, "either exporter")
             raise ValueError(f"ep must be one of {', '.join(eps)} with {who}, got {self.ep!r}")
-        if self.builder_options and self.exporter != "builder":
+        if self.builder_options and self.exporter == "mobius":
             raise ValueError("builder_options apply to exporter builder only")
         if self.accuracy_level not in (-1, 0, 1, 2, 3, 4):
             raise ValueError(f"accuracy_level must be -1 or 0..4, got {self.accuracy_level}")
@@ -217,8 +219,13 @@ class HfToGenaiPass(Pass):
         workdir = context.workdir if context.workdir is not None else Path(tempfile.mkdtemp(prefix="bitpress-genai-"))
         folder = Path(workdir) / "genai"
         folder.mkdir(parents=True, exist_ok=True)
-        return build_genai(model, folder, exporter=o.exporter, dtype=o.dtype, ep=o.ep,
-                           accuracy_level=None if o.accuracy_level < 0 else o.accuracy_level,
-                           extra={k: str(v).lower() if isinstance(v, bool) else str(v)
-                                  for k, v in o.builder_options.items()}, check=o.check,
-                           split=o.split_embedding)
+        package = build_genai(model, folder, exporter=o.exporter, dtype=o.dtype, ep=o.ep,
+                              accuracy_level=None if o.accuracy_level < 0 else o.accuracy_level,
+                              extra={k: str(v).lower() if isinstance(v, bool) else str(v)
+                                     for k, v in o.builder_options.items()}, check=o.check,
+                              split=o.split_embedding)
+        notes = context.extras.setdefault("notes", [])  # in the run report: which exporter, and the check
+        notes.append(f"{self.name}: exporter {package.made['exporter_choice']}")
+        if package.made.get("check"):
+            notes.append(f"{self.name}: {package.made['check']['summary']}")
+        return package

@@ -102,6 +102,22 @@ class Plan:
     jobs: list[Job]
     skipped: dict[str, str] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    #: weights whose width the asked group size does not divide: name -> (asked, used; 0 = padded)
+    regrouped: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def log_notes(self) -> None:
+        """What the plan decided, in the log: group sizes changed as a warning (the user asked for another)."""
+        for what, why in self.skipped.items():
+            log.info("not quantized: %s: %s", what, why)
+        for what, why in self.notes.items():
+            log.info("%s: %s", what, why)
+        by: dict[tuple[int, int], list[str]] = {}
+        for name, change in self.regrouped.items():
+            by.setdefault(change, []).append(name)
+        for (asked, used), names in sorted(by.items()):
+            what = f"group_size {asked} does not divide the width of {summarize_names(names)}"
+            log.warning("%s: %s", what, f"lowered to {used} for them" if used else
+                        "their blocks are padded (hf_to_onnx exports them; hf_to_genai refuses padding)")
 
 
 # -- discovery ----------------------------------------------------------------------------------------
@@ -375,14 +391,20 @@ def plan(model: nn.Module, rules: Rules, *, float_zero_points: bool = False) -> 
                           "ambiguous; refusing rather than quantizing along the wrong dimension")
             continue
         k = int(param.shape[-1])
-        if "embedding" in kinds and "linear" in kinds and k % s.group_size:
-            # one table read by a Gather and a MatMul shares its bytes only when blocks tile its rows exactly
+        if k % s.group_size:
+            # blocks that tile the rows exactly: one table read by a Gather and a MatMul shares its bytes only then,
+            # and a GenAI package's checkpoint format has no padding (hf_to_genai would refuse it at export)
             fit = next((g for g in (256, 128, 64, 32, 16) if g < s.group_size and k % g == 0), None)
-            if fit is None:
+            tied = "embedding" in kinds and "linear" in kinds
+            if fit is None and tied:
                 errors.append(f"tied table {name} of width {k} has no group size from 16 up that divides it")
                 continue
-            out.notes[name] = f"tied table of width {k}: group_size {s.group_size} -> {fit} so both ends share it"
-            s = Settings(s.bits, fit, s.symmetric)
+            out.regrouped[name] = (s.group_size, fit or 0)
+            if fit is not None:
+                if tied:
+                    out.notes[name] = (f"tied table of width {k}: group_size {s.group_size} -> {fit} so both ends "
+                                       "share it")
+                s = Settings(s.bits, fit, s.symmetric)
         if s.symmetric:
             zp = "none"
         elif float_zero_points and s.bits == 4 and "embedding" not in kinds:
@@ -467,10 +489,7 @@ def apply(model: nn.Module, p: Plan, solver: BlockSolver, *, jobs: int = 1,
           progress: Callable[[int], None] | None = None) -> Report:
     """Quantize every job of ``p`` and swap the parameters; returns what was done."""
     report = Report(skipped=dict(p.skipped))
-    for what, why in p.skipped.items():
-        log.info("not quantized: %s: %s", what, why)
-    for what, why in p.notes.items():
-        log.info("%s: %s", what, why)
+    p.log_notes()
     order = sorted(p.jobs, key=lambda j: -j.param.numel())
     # pool.map queues every job: an error or a signal must drop them, not wait for them all
     with ThreadPoolExecutor(max(1, jobs)) as pool, cancel_pending(pool):

@@ -280,10 +280,7 @@ def write(prepared: Prepared, ckpt: CheckpointFiles, dest: Path, solver: BlockSo
     """
     p = prepared.plan
     report = Report(skipped=dict(p.skipped))
-    for what, why in p.skipped.items():
-        log.info("not quantized: %s: %s", what, why)
-    for what, why in p.notes.items():
-        log.info("%s: %s", what, why)
+    p.log_notes()
     dest.mkdir(parents=True)
     limit_bytes = safetensors_writer.MAX_SHARD_BYTES if max_shard_size is None else max_shard_size
     shards = plan_shards([u.entries for u in prepared.units], limit_bytes)

@@ -109,6 +109,8 @@ def run_workflow(
     model = registry.hook.bitpress_load_model(source=src, options={})
     if model is None:
         raise UsageError(f"no plugin can load {src}")
+    if src.is_dir() and Path(model.source).parent == src.absolute():  # the one model folder a run wrote in src
+        src = Path(model.source)
     try:
         _check_output_spares_input(model, wf.output, folder_out)
         from bitpress.hf.calibrated_pass import check_order

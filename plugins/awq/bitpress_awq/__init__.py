@@ -20,8 +20,6 @@ def bitpress_register_passes(register):
 
     register(AwqPass)
     # Hugging Face (PyTorch) passes: their modules import torch only when they run
-    from bitpress.plugin import HfToOnnxPass
     from bitpress_awq.hf_passes import AwqHfPass
 
     register(AwqHfPass)
-    register(HfToOnnxPass)  # host code; every plugin with HF passes registers the same class

@@ -16,7 +16,11 @@
 3. ``genai_config.json`` comes from mobius (``build --config --no-weights`` on the GGUF's
    configuration as transformers reads it), the tokenizer and chat template from the GGUF
    through transformers; the package is then checked (ONNX checker, ONNX Runtime, one
-   ``onnxruntime_genai`` generation step).
+   ``onnxruntime_genai`` generation step) and, on cpu, its logits compared with transformers'
+   forward of the GGUF's dequantized weights, prefill and decode, on float activations, to float
+   rounding (:func:`bitpress.plugin.check_logits`; skipped for tensors ``requantize`` changes).
+   mobius 0.1.0's Gemma-3 graph is corrected first (:func:`bitpress.plugin.fix_gemma3`: every
+   layer read the sliding layers' rope, no layer had its window).
 
 Nothing is read outside the GGUF file and the run's work folder.
 """
@@ -158,14 +162,41 @@ def convert(model: GgufModel, workdir: Path, *, ep: str = "cpu", check: bool = T
         cfg["model"]["context_length"] = context
         cfg.setdefault("search", {})["max_length"] = min(int(cfg["search"].get("max_length", context)), context)
     cfg_path.write_text(json.dumps(cfg, indent=4) + "\n")
+    checked = None
     if check:
         check_package(out, target)
+        if target == "cpu" and not redo:  # requantized tensors are no longer the GGUF's: no reference for them
+            checked = check_against_transformers(model, out, workdir, str(config.get("model_type")))
     exporter = "mobius build-gguf" if route == "gguf" else "mobius build --config (transformers' float folder)"
     made = {"source": model.source.name, "exporter": f"{exporter} + bitpress-gguf blocks",
             "exporter_arguments": ["--ep", ep, "--dtype", "f32"], "checkpoint": "gguf",
             "architecture": model.file.architecture, "tensors": stats, "model_type": config.get("model_type"),
             "accuracy_level": level}
+    if checked is not None:
+        made["check"] = checked
     return GenaiPackage(model.source, out, made)
+
+
+def check_against_transformers(model: GgufModel, out: Path, workdir: Path, model_type: str) -> dict[str, Any]:
+    """The package's logits against transformers' forward of the GGUF's dequantized weights (float activations,
+    to float rounding: :func:`bitpress.plugin.check_logits`); raises ExportError when they differ."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bitpress.plugin import check_logits
+
+    src = model.source.absolute()
+    try:
+        reference = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32).eval()
+    except Exception as exc:  # transformers raises many kinds for a GGUF it cannot dequantize
+        raise ExportError(f"transformers cannot load {src.name} as the check's reference: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''}; --option check=false skips the "
+                          "check") from None
+    try:
+        return check_logits(out, reference, dtype="f32", what=src.name, model_type=model_type,
+                            workdir=workdir).to_json()
+    finally:
+        del reference
 
 
 def _run(argv: list[str], cwd: Path, name: str, timeout: float) -> None:
@@ -224,6 +255,9 @@ def build_from_hf_folder(src: Path, workdir: Path, floatdir: Path, out: Path, ep
     _run([sys.executable, "-m", "mobius", "build", "--config", str(hfdir), str(floatdir), "--dtype", "f32", "--ep", ep,
           "--runtime", "ort-genai"], workdir, "mobius build", timeout)
     config = json.loads((hfdir / "config.json").read_text())
+    from bitpress.plugin import fix_gemma3
+
+    fix_gemma3(floatdir, config)  # mobius 0.1.0's Gemma-3 attention: each layer type's rope, window and scale
     shutil.rmtree(hfdir, ignore_errors=True)  # the float weights twice on disk only while mobius reads them
     for f in floatdir.iterdir():
         if f.is_file() and not f.name.startswith("model.onnx"):

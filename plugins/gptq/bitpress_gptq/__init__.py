@@ -19,8 +19,6 @@ def bitpress_register_passes(register):
 
     register(GptqPass)
     # Hugging Face (PyTorch) passes: their modules import torch only when they run
-    from bitpress.plugin import HfToOnnxPass
     from bitpress_gptq.hf_passes import GptqHfPass
 
     register(GptqHfPass)
-    register(HfToOnnxPass)  # host code; every plugin with HF passes registers the same class

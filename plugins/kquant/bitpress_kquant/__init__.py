@@ -13,8 +13,6 @@ def bitpress_register_passes(register):
     register(KQuantPass)
     register(Q4KMPass)
     # Hugging Face (PyTorch) passes: their modules import torch only when they run
-    from bitpress.plugin import HfToOnnxPass
     from bitpress_kquant.hf_passes import KQuantHfPass
 
     register(KQuantHfPass)
-    register(HfToOnnxPass)  # host code; every plugin with HF passes registers the same class

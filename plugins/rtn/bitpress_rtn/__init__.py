@@ -16,8 +16,6 @@ def bitpress_register_passes(register):
     register(RtnPass)
     register(Bnb4Pass)
     # Hugging Face (PyTorch) passes: their modules import torch only when they run
-    from bitpress.plugin import HfToOnnxPass
     from bitpress_rtn.hf_passes import RtnHfPass
 
     register(RtnHfPass)
-    register(HfToOnnxPass)  # host code; every plugin with HF passes registers the same class

@@ -172,6 +172,7 @@ def plan(model: OnnxModel, opts: WeightOnlyOptions) -> Plan:
     overrides = NameMatcher(list(opts.overrides), what="overrides key")
     subgraph_reads = subgraph_reads_of(graph)
     graph_outputs = {o.name for o in graph.output}
+    graph_inputs = {i.name for i in graph.input} - set(inits)
     skipped: dict[str, str] = {}
     notes: dict[str, str] = {}
     uses: dict[str, list[Use]] = defaultdict(list)
@@ -188,6 +189,12 @@ def plan(model: OnnxModel, opts: WeightOnlyOptions) -> Plan:
             if why:
                 skipped[node.name or node.output[0]] = why
             continue
+        if use.kind in ("gather", "gather_t") and not include.matches(node.name, weight):
+            not_tokens = _not_token_ids(node.input[1], prods, graph_inputs)
+            if not_tokens:
+                skipped[weight] = (f"{not_tokens}: kept in float (only token embeddings are quantized; "
+                                   "nodes_to_include naming the node quantizes it)")
+                continue
         uses[weight].append(use)
     experts = _plan_experts(model, opts, include, exclude, overrides)
     unmatched = _unmatched(graph, opts, uses, [(include, "nodes_to_include"), (exclude, "nodes_to_exclude"),
@@ -401,6 +408,24 @@ def subgraph_reads_of(graph: onnx.GraphProto) -> set[str]:
             for g in subs:
                 reads |= used_names(g)
     return reads
+
+
+#: ops that pass token ids on unchanged in value (casts and reshapes)
+_ID_PASSTHROUGH = ("Cast", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten")
+
+
+def _not_token_ids(indices: str, prods: dict[str, onnx.NodeProto], graph_inputs: set[str]) -> str | None:
+    """Why a Gather reading ``indices`` does not look up token ids (None when it does): its indices must be a
+    graph input (through casts and reshapes) not named as positions. Rotary caches, position tables and other
+    tables read at computed indices are not token embeddings."""
+    name, hops = indices, 0
+    while name in prods and prods[name].op_type in _ID_PASSTHROUGH and hops < 16:
+        name, hops = prods[name].input[0], hops + 1
+    if name in graph_inputs:
+        return f"a table read at {name!r} (positions, not token ids)" if "position" in name.lower() else None
+    producer = prods.get(name)
+    what = f"{producer.op_type} {producer.name or name}" if producer is not None else name
+    return f"a table read at computed indices ({what}: a rotary, position or cache table, not a token embedding)"
 
 
 def _classify(
