@@ -41,6 +41,7 @@ import numpy as np
 
 from bitpress.errors import ExportError, ValidationError
 from bitpress.genai import GENAI_INSTALL_HINT
+from bitpress.genai.exporters import BUILDER_EPS as EPS
 from bitpress.genai.exporters import EXPORTERS
 from bitpress.models.base import ModelHandle
 
@@ -51,7 +52,6 @@ log = logging.getLogger(__name__)
 
 #: --dtype -> the builder's precision, for float checkpoints
 FLOAT_PRECISION = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}
-EPS = ("cpu", "cuda", "dml", "webgpu", "NvTensorRtRtx")  # the builder's -e choices (0.18)
 BUILD_TIMEOUT_S = 3600
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from bitpress.errors import ExportError
 
 EXPORTERS = ("auto", "builder", "mobius")
+BUILDER_EPS = ("cpu", "cuda", "dml", "webgpu", "NvTensorRtRtx")  # the builder's -e choices (0.18)
 
 #: measured faults (docs/architectures.md): model_type -> exporter -> checkpoint ("float", "quantized",
 #: "any") -> why that exporter is refused for it (what works instead is added by :func:`refusal`)
@@ -130,7 +131,6 @@ def refusal(exporter: str, config: dict[str, Any], quantized: bool, dtype: str =
 def choose(requested: str, config: dict[str, Any], *, quantized: bool, ep: str, dtype: str = "auto") -> Choice:
     """The exporter that builds this model: ``requested`` if it can, or for ``auto`` the first that can;
     raises :class:`ExportError` (one line: why each cannot, what would) before any work."""
-    from bitpress.genai.export import EPS
     from bitpress.genai.mobius import MOBIUS_EPS
 
     model_type = config.get("model_type")
@@ -144,7 +144,7 @@ def choose(requested: str, config: dict[str, Any], *, quantized: bool, ep: str, 
                else "no exporter builds it right here (docs/architectures.md); --runtime onnx is bitpress's own graph")
         raise ExportError(f"{why}: {what} is refused before the build; {alt}")
     reasons = []
-    for exporter, eps in (("builder", EPS), ("mobius", MOBIUS_EPS)):
+    for exporter, eps in (("builder", BUILDER_EPS), ("mobius", MOBIUS_EPS)):
         if ep not in eps:
             reasons.append(f"{exporter}: no execution provider {ep!r}")
             continue
