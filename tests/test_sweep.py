@@ -387,28 +387,10 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Hugging Face Llama folder with a real (WordLevel) tokenizer: what the GenAI builder needs."""
     pytest.importorskip("onnxruntime_genai.models.builder")
     pytest.importorskip("transformers")
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from bitpress.hf.tiny import build_tiny
 
-    folder = tmp_path_factory.mktemp("sweep_hf") / "llama"
-    torch.manual_seed(3)
-    m = LlamaForCausalLM(LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=1,
-        eos_token_id=2, pad_token_id=0)).eval()
-    with torch.no_grad():  # weights large enough that rounding differences show in the logits
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.1)
-    m.save_pretrained(folder)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, 256)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                            pad_token="<pad>").save_pretrained(folder)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, do_sample=False).save_pretrained(folder)
-    return folder
+    # weights ~ N(0, 0.1): large enough that rounding differences show in the logits
+    return build_tiny("llama", tmp_path_factory.mktemp("sweep_hf") / "llama", seed=3)
 
 
 MATRIX = {"dtypes": ["f32"], "eps": ["cpu"],

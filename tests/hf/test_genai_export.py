@@ -21,17 +21,9 @@ from bitpress.hf.olive import pack_zero_points
 
 def _tokenized_folder(model: Any, folder: Path) -> Path:
     """save_pretrained plus a real (WordLevel) tokenizer and a generation config: what the builder needs."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GenerationConfig, PreTrainedTokenizerFast
+    from bitpress.hf.tiny import save_with_tokenizer
 
-    model.save_pretrained(folder)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, 256)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                            pad_token="<pad>").save_pretrained(folder)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, do_sample=False).save_pretrained(folder)
-    return folder
+    return save_with_tokenizer(model, folder)
 
 
 @pytest.fixture(scope="module")
