@@ -65,7 +65,8 @@ def _cell(fn: Any) -> dict[str, Any]:
         status, reason = extra.pop("status", "passes"), extra.pop("reason", "")
     except BitpressError as exc:
         reason = str(exc).splitlines()[0]
-        status = "FAILS" if any(w in reason for w in AFTER_BUILD) else "refused"
+        before = "refused before the build" in reason or reason.startswith("no exporter builds")
+        status = "FAILS" if not before and any(w in reason for w in AFTER_BUILD) else "refused"
         extra = {}
     except Exception as exc:  # an internal error is a failure of bitpress, shown as such
         reason = f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -124,8 +125,9 @@ def _text(c: dict[str, Any]) -> str:
         return c["status"]
     chk = c.get("check")
     text = f"passes ({chk['max_abs']:.0e})" if chk else "passes"
-    if c.get("choice"):
-        text += f", {c['choice']}"
+    choice = c.get("choice") or ""
+    if choice and "(named)" not in choice:  # auto: which exporter it took
+        text += f", {choice.split(':')[0]}"
     return text
 
 

@@ -259,9 +259,10 @@ def test_a_wrong_mapping_is_caught_against_mobius_weights(ckpt: Path, tmp_path: 
 
 
 def test_gpt_oss_with_the_builder_is_refused_before_the_build(ckpt: Path, tmp_path: Path) -> None:
-    with pytest.raises(ExportError, match=r"only from the original MXFP4 expert tensors.*export with exporter: "
-                                          r"mobius"):
-        bitpress.run({"input": str(ckpt), "output": str(tmp_path / "pkg"), "passes": [{"type": "hf_to_genai"}]})
+    with pytest.raises(ExportError, match=r"builds gpt-oss only from its original MXFP4 checkpoint.*refused before "
+                                          r"the build; use --exporter mobius"):
+        bitpress.run({"input": str(ckpt), "output": str(tmp_path / "pkg"),
+                      "passes": [{"type": "hf_to_genai", "exporter": "builder"}]})
     assert not (tmp_path / "pkg" / ckpt.name).exists()
 
 
