@@ -99,13 +99,13 @@ def check_logits(package: Path, reference: nn.Module, *, dtype: str, what: str, 
 
     ``dtype``: the package's float dtype (f32, f16, bf16); ``what``: the model's name for messages.
     """
-    from bitpress.genai.package import read_genai_config
+    from bitpress.genai.package import read_genai_config, sliding_window
 
-    cfg = (read_genai_config(package) or {}).get("model") or {}
+    genai = read_genai_config(package)
+    cfg = (genai or {}).get("model") or {}
     vocab = int(cfg.get("vocab_size") or 0)
     context = int(cfg.get("context_length") or 0)
-    window = int(((cfg.get("decoder") or {}).get("sliding_window") or {}).get("window_size") or 0)
-    window = window or _config_window(reference)  # mobius writes none: the model's own
+    window = sliding_window(genai) or _config_window(reference)  # mobius writes none: the model's own
     if vocab < 2 or context < SHORT_PROMPT + DECODE_STEPS + 1:
         raise ExportError(f"the package built from {what} cannot be checked against transformers (genai_config.json "
                           f"gives vocab_size {vocab}, context_length {context}); {SKIP_HINT}")

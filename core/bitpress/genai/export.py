@@ -17,11 +17,15 @@ input itself (an exporter reads whatever a folder holds):
   with mobius, whose float experts are a loop over experts, each loop is fused into a QMoE node
   holding bitpress's integers, checked against mobius's float weights (:mod:`bitpress.genai.moe_loop`).
 
+Which exporter: ``auto`` (the default) takes the one that builds the architecture right
+(:mod:`bitpress.genai.exporters`); the builder runs through :mod:`bitpress.genai.builder_run`.
+
 Afterwards: the builder's tied quantized embedding (``GatherBlockQuantized`` reading the LM
 head's tensors) is given the 2-D scales and zero points ONNX Runtime requires (the builder
 passes the 1-D ones of ``MatMulNBits``; the table stays one), and the package is checked: the
-ONNX checker, an ONNX Runtime session and one ``onnxruntime_genai`` generation step (the
-last two on ``cpu`` packages only: other EPs need their hardware). ``split=True`` then cuts
+ONNX checker, an ONNX Runtime session, one ``onnxruntime_genai`` generation step and its
+logits against transformers', prefill and decode (:mod:`bitpress.genai.check`; the last three
+on CPU-runnable packages only: other EPs need their hardware). ``split=True`` then cuts
 the package into an embedding and a decoder component (:mod:`bitpress.genai.split`).
 """
 
@@ -98,8 +102,8 @@ def build_genai(
     accuracy_level: int | None = None, extra: dict[str, str] | None = None, check: bool = True,
     split: bool = False, timeout: float = BUILD_TIMEOUT_S,
 ) -> GenaiPackage:
-    """Build ``model`` into a GenAI package in ``workdir`` with ``exporter`` (``builder`` or ``mobius``;
-    see the module's docstring)."""
+    """Build ``model`` into a GenAI package in ``workdir`` with ``exporter`` (``auto``, ``builder`` or
+    ``mobius``; see the module's docstring)."""
     from bitpress.genai import mobius, moe
     from bitpress.genai.exporters import choose, is_quantized
     from bitpress.hf.olive import write_olive
@@ -408,12 +412,11 @@ def greedy(folder: Path, prompt: list[int], tokens: int) -> list[int]:
     """Up to ``tokens`` greedy tokens after ``prompt`` from the package ``folder``, by ``onnxruntime_genai``."""
     import onnxruntime_genai as og
 
-    from bitpress.genai.package import read_genai_config
+    from bitpress.genai.package import read_genai_config, sliding_window
 
-    model_cfg = (read_genai_config(folder) or {}).get("model") or {}
-    # a sliding-window KV cache must hold the window (onnxruntime_genai refuses a smaller max_length)
-    window = int(((model_cfg.get("decoder") or {}).get("sliding_window") or {}).get("window_size") or 0)
-    context = int(model_cfg.get("context_length") or 0) or len(prompt) + tokens
+    cfg = read_genai_config(folder)
+    window = sliding_window(cfg)  # a sliding-window KV cache must hold it (onnxruntime_genai refuses less)
+    context = int(((cfg or {}).get("model") or {}).get("context_length") or 0) or len(prompt) + tokens
     m = og.Model(str(folder))
     params = og.GeneratorParams(m)
     params.set_search_options(max_length=min(max(len(prompt) + tokens, window), context), do_sample=False)

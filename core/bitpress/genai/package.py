@@ -194,6 +194,12 @@ def resolve_model(path: str | Path, what: str) -> ModelFile:
     return ModelFile(found[0], path, genai)
 
 
+def sliding_window(config: dict[str, Any] | None) -> int:
+    """The decoder's sliding window a ``genai_config.json`` gives (0 when none); its KV cache must hold it."""
+    decoder = ((config or {}).get("model") or {}).get("decoder") or {}
+    return int((decoder.get("sliding_window") or {}).get("window_size") or 0)
+
+
 def _genai_config(folder: Path) -> dict[str, Any] | None:
     return read_genai_config(folder, require_decoder=False)
 
@@ -207,4 +213,5 @@ __all__ = [
     "read_genai_config",
     "resolve_model",
     "search_folders",
+    "sliding_window",
 ]
