@@ -95,7 +95,8 @@ def make_registry() -> Callable[..., Registry]:
     """``make_registry(*plugins, rtn=True)``: a registry without entry points.
 
     Each plugin is a module or object with hook implementations, or a ``(name, plugin)`` pair;
-    the RTN plugin (``bitpress_rtn``) is added first unless ``rtn=False``.
+    the RTN plugin (``bitpress_rtn``) is added first unless ``rtn=False``, with the host's
+    ``hf_to_onnx`` (registered by the host since it stopped coming with every HF plugin).
     """
 
     def make(*plugins: Any, rtn: bool = True) -> Registry:
@@ -103,8 +104,10 @@ def make_registry() -> Callable[..., Registry]:
         items: list[Any] = list(plugins)
         if rtn:
             import bitpress_rtn
+            from bitpress.hf.passes import HfToOnnxPass
 
             items.insert(0, ("rtn", bitpress_rtn))
+            reg.passes[HfToOnnxPass.name] = HfToOnnxPass
         for i, item in enumerate(items):
             name, plugin = item if isinstance(item, tuple) else (f"test-plugin-{i}", item)
             reg.register(plugin, name=name)

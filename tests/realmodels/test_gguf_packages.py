@@ -167,9 +167,9 @@ def test_gemma3_package_tokenizes_words_and_generates_the_float_tokens(gemma3_co
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_gguf_imports_equal_transformers_on_float_activations(which: str, request: pytest.FixtureRequest) -> None:
     """Every import is compared with transformers' forward of the GGUF's dequantized weights before it is kept
-    (bitpress.genai.check: two prompts, prefill and decode, the gemma one crossing no window of 512): the
+    (bitpress.genai.check: two prompts, prefill and decode, gemma's long one crossing its window of 512): the
     comparison it made is in the manifest, within float rounding."""
     pkg = request.getfixturevalue("converted" if which == "smollm2" else "gemma3_converted")[0]
     check = json.loads((pkg / "bitpress-manifest.json").read_text())["made"]["check"]
     assert check["max_abs"] <= check["tolerance"] * max(check["largest_logit"], 1.0)
-    assert check["greedy_equal"] and check["decode_steps"] == 3
+    assert check["decode_steps"] == 3 and check["package_accuracy_level_max_abs"] is None  # built at level 0
