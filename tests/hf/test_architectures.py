@@ -161,3 +161,13 @@ def test_group_size_is_lowered_at_quantize_time_and_said(tmp_path: Path, caplog:
     found = resolve_model(tmp_path / "pkg", "QUANTIZED")
     assert found.path == pkg / "model.onnx" and found.genai is not None
     assert np.isfinite(_made(pkg)["check"]["max_abs"])
+
+
+def test_bench_times_a_sliding_window_package_with_a_short_prompt(gemma3_packages: dict[str, Path]) -> None:
+    """The builder's Gemma-3 package needs a KV capacity of its window (32): `bitpress bench` with a prompt of 8
+    tokens measures it (it failed with 'KV cache capacity ... must be at least local_window_size')."""
+    from bitpress.speed.measure import GenaiSubject, SubjectSpec
+
+    spec = SubjectSpec(str(gemma3_packages["builder"]), "genai", threads=1, prompt_tokens=8, decode_tokens=4)
+    got = GenaiSubject(spec).measure()
+    assert all(v > 0 for v in got.values()), got

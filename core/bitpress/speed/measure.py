@@ -109,6 +109,9 @@ class GenaiSubject:
         folder = Path(spec.path)
         config = json.loads((folder / GENAI_CONFIG).read_text())
         self.prompt = prompt_ids(_vocab(folder, config), spec.prompt_tokens, spec.seed)
+        from bitpress.genai.package import sliding_window
+
+        self.window = sliding_window(config)  # a sliding-window KV cache must hold the window
         cfg = og.Config(str(folder))
         options = {"intra_op_num_threads": spec.threads, "inter_op_num_threads": 1}
         cfg.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
@@ -121,7 +124,7 @@ class GenaiSubject:
         total = spec.prompt_tokens + spec.decode_tokens + 1
         params = og.GeneratorParams(self.model)
         # min_length: an end-of-sequence token does not stop the run early
-        params.set_search_options(max_length=total, min_length=total, do_sample=False)
+        params.set_search_options(max_length=max(total, self.window), min_length=total, do_sample=False)
         gen = og.Generator(self.model, params)
         t0 = time.perf_counter()
         gen.append_tokens(self.prompt[None, :])  # the prompt's forward pass
